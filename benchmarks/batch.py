@@ -1,0 +1,217 @@
+"""Batch benchmark: does batch work leave interactive latency alone, and does it still get the engine's throughput?
+
+One process, as `make run` runs it: uvicorn serving the ASGI app on loopback, the in-process engine, and the
+embedded Celery worker (threads, kombu filesystem broker in a scratch dir) running a Workers AI queueRequest.
+
+1. Engine idle throughput: the batch's requests sent straight to the engine, all at once, nothing else running
+   (generated tokens per second).
+2. Interactive TTFT idle: streaming POST /ai/run requests one after another; time to the first SSE token.
+3. The same probes while the batch runs through the API and the worker (BATCH priority, capped); the batch's
+   own throughput is its generated tokens over its wall time (queued to completed).
+
+Goals: TTFT while the batch runs <= 1.5x idle; batch throughput >= 80% of the engine's idle throughput.
+
+Run: python -m benchmarks.batch [--quick]   (a throwaway SQLite database; models must be installed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "@hearth/smollm2-135m-instruct"
+TOPICS = ["lighthouses", "tides", "glaciers", "bees", "volcanoes", "libraries", "trains", "coral reefs",
+          "bridges", "owls", "deserts", "clocks", "rivers", "comets", "forests", "harbours"]
+PROBE_PROMPT = "In one short sentence, what is a lighthouse?"
+PROBE_TOKENS = 8
+
+
+def _prompt(i: int) -> str:
+    return f"Write three sentences about {TOPICS[i % len(TOPICS)]} for reader number {i}."
+
+
+def _setup(tmp: Path) -> tuple[str, str]:
+    os.environ["HEARTH_SQLITE_PATH"] = str(tmp / "bench.sqlite3")
+    os.environ["HEARTH_BATCH_WORKER"] = "off"  # started here, after the broker is pointed at the scratch dir
+    os.environ.pop("CELERY_BROKER_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0, interactive=False)
+    call_command("seed_catalog", stdout=io.StringIO())
+    from controlplane.accounts.services import get_or_create_account, issue_key
+    from controlplane.celery import use_broker
+
+    folder = str(tmp / "broker")
+    use_broker("filesystem://", queue="bench-batches", transport_options={
+        "data_folder_in": folder, "data_folder_out": folder, "control_folder": str(tmp / "control"),
+        "polling_interval": 0.1})
+    account, _ = get_or_create_account("bench-batch")
+    _, secret = issue_key(account, name="bench", requests_per_minute=0, tokens_per_minute=0)
+    return account.pk, secret
+
+
+def _engine_idle_throughput(count: int, max_tokens: int) -> dict[str, Any]:
+    from controlplane.serving.dispatch import get_backend
+    from inference import GenerationRequest, Priority, SamplingParams
+
+    engine = get_backend().engine_sync(MODEL)  # type: ignore[attr-defined]
+
+    async def go() -> tuple[int, float]:
+        requests = [GenerationRequest(engine.encode(prompt=_prompt(i)), SamplingParams(
+            max_tokens=max_tokens, temperature=0), priority=Priority.INTERACTIVE) for i in range(count)]
+        started = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(r) for r in requests))
+        return sum(o.usage.completion_tokens for o in outs), time.perf_counter() - started
+
+    tokens, seconds = asyncio.run(go())
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve() -> tuple[str, Any]:
+    import uvicorn
+
+    from controlplane.asgi import application
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, lifespan="off",
+                                           log_level="warning", access_log=False))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+def _ttft(url: str, secret: str) -> float:
+    import httpx
+
+    started = time.perf_counter()
+    with httpx.stream("POST", url, headers={"Authorization": f"Bearer {secret}"}, timeout=120, json={
+            "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("response"):
+                return time.perf_counter() - started
+    raise RuntimeError("the probe produced no token")
+
+
+def _probes(url: str, secret: str, count: int, until: threading.Event | None = None) -> list[float]:
+    samples = []
+    while len(samples) < count and not (until is not None and until.is_set()):
+        samples.append(_ttft(url, secret))
+        time.sleep(0.2)
+    return samples
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    items = 100 if quick else 1000
+    max_tokens = 16 if quick else 32
+    probes = 8 if quick else 30
+    with tempfile.TemporaryDirectory(prefix="hearth-bench-batch-") as tmp:
+        account_id, secret = _setup(Path(tmp))
+        from controlplane.accounts.services import authenticate_key
+        from controlplane.batches import services
+        from controlplane.batches.models import Batch, Item
+        from controlplane.batches.runtime import EmbeddedWorker
+
+        idle = _engine_idle_throughput(items, max_tokens)
+        base, server = _serve()
+        url = f"{base}/client/v4/accounts/{account_id}/ai/run/{MODEL}"
+        _ttft(url, secret)  # warm
+        ttft_idle = _probes(url, secret, probes)
+
+        worker = EmbeddedWorker(beat=False, rebuild_queue=False, recover=False)
+        worker.start()
+        try:
+            ctx = authenticate_key(secret)
+            batch = services.create_native_batch(ctx, MODEL, [
+                (None, {"prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0}) for i in range(items)])
+            finished = threading.Event()
+            during: list[float] = []
+
+            def probe_during() -> None:
+                while not Item.objects.filter(batch=batch, status="running").exists():
+                    time.sleep(0.05)
+                during.extend(_probes(url, secret, 10**6, until=finished))
+
+            prober = threading.Thread(target=probe_during, daemon=True)
+            prober.start()
+            while Batch.objects.get(pk=batch.pk).status not in Batch.TERMINAL:
+                time.sleep(0.2)
+            finished.set()
+            prober.join(120)
+            done = Batch.objects.get(pk=batch.pk)
+            generated = sum(Item.objects.filter(batch=batch).values_list("output_tokens", flat=True))
+        finally:
+            worker.stop()
+            server.should_exit = True
+        wall = (done.finished_at - done.created_at).total_seconds()
+        batch_tps = generated / wall
+        ttft_ratio = statistics.median(during) / statistics.median(ttft_idle) if during else None
+        from django.conf import settings
+
+        return {
+            "model": MODEL, "items": items, "max_tokens": max_tokens, "status": done.status,
+            "completed": done.completed_count, "failed": done.failed_count,
+            "worker_threads": settings.HEARTH_BATCH_CONCURRENCY, "engine_batch_cap": settings.HEARTH_BATCH_ENGINE_SEQS,
+            "engine_idle": idle, "batch": {"tokens": generated, "seconds": wall, "tokens_per_s": batch_tps},
+            "throughput_ratio": batch_tps / idle["tokens_per_s"],
+            "ttft_idle_ms": statistics.median(ttft_idle) * 1000,
+            "ttft_during_ms": statistics.median(during) * 1000 if during else None,
+            "ttft_during_p90_ms": statistics.quantiles(during, n=10)[-1] * 1000 if len(during) >= 10 else None,
+            "ttft_samples": [len(ttft_idle), len(during)], "ttft_ratio": ttft_ratio,
+            "load_average_before": os.getloadavg()[0],
+        }
+
+
+def markdown(r: dict[str, Any]) -> str:
+    def ok(good: bool) -> str:
+        return "yes" if good else "no"
+
+    ratio = r["ttft_ratio"]
+    during = f"{r['ttft_during_ms']:.0f} ms" if r["ttft_during_ms"] is not None else "n/a"
+    return "\n".join([
+        f"`{r['model']}`, a Workers AI queueRequest of {r['items']} items ({r['max_tokens']} output tokens at most, "
+        f"greedy) through the API and the embedded Celery worker ({r['worker_threads']} threads, engine cap "
+        f"{r['engine_batch_cap']} BATCH sequences); {r['completed']} completed, {r['failed']} failed. "
+        f"Interactive probes: streaming POST /ai/run, {PROBE_TOKENS} tokens, one at a time "
+        f"({r['ttft_samples'][0]} idle, {r['ttft_samples'][1]} during the batch).",
+        "",
+        "| batch benchmark | result | reference | ratio | goal | met |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| interactive TTFT, median (batch running vs idle) | {during} | {r['ttft_idle_ms']:.0f} ms | "
+        f"{ratio:.2f}× | ≤ 1.5× | {ok(ratio is not None and ratio <= 1.5)} |" if ratio is not None else
+        "| interactive TTFT | no probe finished during the batch | | | ≤ 1.5× | no |",
+        f"| batch throughput (tok/s; vs the engine alone, same requests) | {r['batch']['tokens_per_s']:.1f} | "
+        f"{r['engine_idle']['tokens_per_s']:.1f} | {r['throughput_ratio']:.0%} | ≥ 80% | "
+        f"{ok(r['throughput_ratio'] >= 0.8)} |",
+    ])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="100 items and fewer probes (a smoke run)")
+    result = run(quick=parser.parse_args().quick)
+    print(json.dumps(result, indent=2, default=str))
+    print(markdown(result))

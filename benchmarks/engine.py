@@ -1,0 +1,177 @@
+"""Engine benchmark (issue: engine core), side by side with Hugging Face transformers in one run.
+
+    python -m benchmarks.engine            # prints a markdown table; benchmarks.run writes docs/benchmarks.md
+
+1. Single-stream decode of 128 tokens: Hearth vs transformers.generate, and the physical ceiling (weight bytes
+   read per token over measured memory bandwidth).
+2. 32 concurrent requests (prompts 50-500 tokens, 128 output tokens): Hearth total throughput vs transformers
+   batched generate (left padding) and vs transformers one request at a time.
+3. Shared 1,500-token prefix: time to first token of the second request vs the first; throughput of a
+   0%-hit workload with prefix caching on vs off.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.workloads import concurrent_prompts, text_of_tokens
+from inference import LLM, EngineConfig, SamplingParams
+from inference.models.catalog import DEFAULT_MODEL, model_path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_time(fn: Callable[[], object], runs: int) -> float:
+    return statistics.median(_timed(fn) for _ in range(runs))
+
+
+def memory_bandwidth_gbs(megabytes: int = 512) -> float:
+    """Copy bandwidth counting bytes read plus written, the same way a decode step streams weights."""
+    src = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = median_time(lambda: dst.copy_(src), 7)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def weight_bytes_per_token(llm: LLM) -> int:
+    """Bytes of weights a decode step must read: every layer matrix and norm, the final norm and the LM head
+    (the embedding table is only gathered by row, so a tied head counts once)."""
+    model = llm.engine.model
+    total = model.lm_head.nbytes + model.final_norm.numel() * model.final_norm.element_size()
+    for layer in model.layers:
+        total += sum(lin.nbytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        for t in (layer.input_norm, layer.post_attn_norm, layer.pre_ffn_norm, layer.post_ffn_norm,
+                  layer.q_norm, layer.k_norm):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _hf_model(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=dtype).eval()
+
+
+def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> None:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=pad_id)
+
+
+def run(quick: bool = False) -> dict:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    runs = 1 if quick else 3
+    new_tokens = 32 if quick else 128
+    config = EngineConfig(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(DEFAULT_MODEL, config)
+    dtype = llm.engine.model.dtype
+    tok = llm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    results: dict = {"model": DEFAULT_MODEL, "dtype": str(dtype).removeprefix("torch."),
+                     "threads": torch.get_num_threads(), "new_tokens": new_tokens}
+
+    # 1. Single stream.
+    prompt = llm.encode("Write a long story about a dragon who learns to cook.")
+    llm.generate_ids([prompt], greedy)  # warm up
+    hearth_single = new_tokens / median_time(lambda: llm.generate_ids([prompt], greedy), runs)
+    hf = _hf_model(dtype)
+    _hf_generate(hf, [prompt], 4, pad)
+    hf_single = new_tokens / median_time(lambda: _hf_generate(hf, [prompt], new_tokens, pad), runs)
+    bandwidth = memory_bandwidth_gbs()
+    weights = weight_bytes_per_token(llm)
+    ceiling = bandwidth * 1e9 / weights
+    results["single"] = {"hearth_tok_s": hearth_single, "hf_tok_s": hf_single, "ratio": hearth_single / hf_single,
+                         "bandwidth_gbs": bandwidth, "weight_mb": weights / 1e6, "ceiling_tok_s": ceiling,
+                         "share_of_ceiling": hearth_single / ceiling}
+
+    # 2. 32 concurrent requests.
+    prompts = concurrent_prompts(tok, count=8 if quick else 32)
+    total_out = len(prompts) * new_tokens
+    hearth_batch = total_out / median_time(lambda: llm.generate_ids(prompts, greedy), runs)
+    hf_batched = total_out / median_time(lambda: _hf_generate(hf, prompts, new_tokens, pad), 1)
+    sequential = prompts[:2 if quick else 4]
+    hf_serial = len(sequential) * new_tokens / _timed(
+        lambda: [_hf_generate(hf, [p], new_tokens, pad) for p in sequential])
+    results["concurrent"] = {"requests": len(prompts), "hearth_tok_s": hearth_batch, "hf_batched_tok_s": hf_batched,
+                             "hf_serial_tok_s": hf_serial, "vs_batched": hearth_batch / hf_batched,
+                             "vs_serial": hearth_batch / hf_serial}
+    hf = None  # free its weights before the prefix-cache runs
+    gc.collect()
+
+    # 3. Prefix caching.
+    prefix = text_of_tokens(tok, 1500, seed=42)
+    first_token = SamplingParams(max_tokens=1, temperature=0.0)
+    cold, warm = [], []
+    for trial in range(runs):
+        llm.engine.blocks.reset_prefix_cache()
+        q1 = text_of_tokens(tok, 20, seed=100 + trial)
+        q2 = text_of_tokens(tok, 20, seed=200 + trial)
+        cold.append(_timed(lambda q=q1: llm.generate_ids([prefix + q], first_token)))
+        warm.append(_timed(lambda q=q2: llm.generate_ids([prefix + q], first_token)))
+    ttft_cold, ttft_warm = statistics.median(cold), statistics.median(warm)
+
+    miss_prompts = concurrent_prompts(tok, count=8 if quick else 32, seed=7)
+    short = SamplingParams(max_tokens=new_tokens // 2, temperature=0.0, ignore_eos=True)
+    off = LLM.__new__(LLM)
+    off_engine_config = EngineConfig(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
+                                     enable_prefix_caching=False)
+    from inference.engine import LLMEngine
+
+    off.engine = LLMEngine(llm.engine.loaded, off_engine_config)
+    on_times, off_times = [], []
+    for _ in range(runs + 2):  # alternate so drift on a shared machine hits both alike
+        llm.engine.blocks.reset_prefix_cache()
+        on_times.append(_timed(lambda: llm.generate_ids(miss_prompts, short)))
+        off_times.append(_timed(lambda: off.generate_ids(miss_prompts, short)))
+    miss_tokens = len(miss_prompts) * short.max_tokens
+    on_rate, off_rate = miss_tokens / statistics.median(on_times), miss_tokens / statistics.median(off_times)
+    results["prefix"] = {"prefix_tokens": len(prefix), "ttft_cold_s": ttft_cold, "ttft_warm_s": ttft_warm,
+                         "ttft_speedup": ttft_cold / ttft_warm, "miss_on_tok_s": on_rate,
+                         "miss_off_tok_s": off_rate, "miss_ratio": on_rate / off_rate}
+    return results
+
+
+def markdown(r: dict) -> str:
+    s, c, p = r["single"], r["concurrent"], r["prefix"]
+    return "\n".join([
+        f"Model `{r['model']}`, {r['dtype']}, {r['threads']} threads, greedy, {r['new_tokens']} output tokens.",
+        "",
+        "| benchmark | Hearth | peer | ratio | goal |",
+        "| --- | --- | --- | --- | --- |",
+        f"| single-stream decode (tok/s) | {s['hearth_tok_s']:.1f} | transformers.generate {s['hf_tok_s']:.1f} "
+        f"| {s['ratio']:.2f}× | ≥ 1.5× |",
+        f"| physical ceiling (tok/s) | {s['hearth_tok_s']:.1f} | {s['weight_mb']:.0f} MB of weights per token / "
+        f"{s['bandwidth_gbs']:.1f} GB/s = {s['ceiling_tok_s']:.1f} | {s['share_of_ceiling']:.0%} of ceiling | — |",
+        f"| {c['requests']} concurrent requests (tok/s) | {c['hearth_tok_s']:.1f} | transformers batched "
+        f"{c['hf_batched_tok_s']:.1f} | {c['vs_batched']:.2f}× | ≥ 1.5× |",
+        f"| {c['requests']} concurrent requests (tok/s) | {c['hearth_tok_s']:.1f} | transformers one at a time "
+        f"{c['hf_serial_tok_s']:.1f} | {c['vs_serial']:.2f}× | ≥ 8× |",
+        f"| TTFT, shared {p['prefix_tokens']}-token prefix (s) | 2nd request {p['ttft_warm_s']:.3f} | "
+        f"1st request {p['ttft_cold_s']:.3f} | {p['ttft_speedup']:.1f}× lower | ≥ 5× |",
+        f"| 0%-hit workload, caching on vs off (tok/s) | {p['miss_on_tok_s']:.1f} | {p['miss_off_tok_s']:.1f} "
+        f"| {p['miss_ratio']:.3f}× | ≥ 0.97× |",
+    ])
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(markdown(run(quick="--quick" in sys.argv)))

@@ -1,0 +1,130 @@
+"""KV compression benchmark (issue: KV-cache compression): quality vs rate, and throughput at a fixed KV budget.
+
+    python -m benchmarks.kv [--quick] [--throughput-only]
+
+Quality: `inference.eval.kv` on Qwen2.5-Coder-0.5B, contexts of 1-4k tokens, rates 1-64, per-head variable
+eviction against the uniform and recent-only baselines.
+
+Throughput: the same long-prompt requests through an engine whose KV pool holds only a few uncompressed
+sequences, at compression 1×, 8× and 64×: the most sequences in flight at once and total tokens/s (prompt and
+output tokens over wall time, and output tokens alone).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+
+from inference import LLM, EngineConfig, GenerationRequest, SamplingParams
+from inference.compression import EvictionMethod, KVCompressionSettings
+from inference.eval.kv import METHODS, RATES, build_items, evaluate
+from inference.eval.kv import markdown as eval_markdown
+
+QUALITY_MODEL = "@hearth/qwen2.5-coder-0.5b-instruct"
+THROUGHPUT_MODEL = "@hearth/smollm2-135m-instruct"
+
+
+def _throughput(rate: float, prompts: list[list[int]], new_tokens: int, budget: str) -> dict:
+    llm = LLM(THROUGHPUT_MODEL, EngineConfig(kv_cache_memory=budget, max_num_batched_tokens=2048,
+                                             enable_prefix_caching=False))
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    settings = KVCompressionSettings(rate=rate)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(GenerationRequest(p, params, kv_compression=settings))
+    peak, done, output_tokens = 0, 0, 0
+    decode_seconds, decode_tokens, batch_sizes = 0.0, 0, []
+    while engine.has_unfinished():
+        prefilling = {id(s): s.num_computed for s in engine.scheduler.running + engine.scheduler.waiting
+                      if s.num_computed < s.prompt_len}
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_seconds = time.perf_counter() - step_start
+        emitted = sum(len(o.delta_token_ids) for o in outputs)
+        seqs = engine.scheduler.running + engine.scheduler.waiting
+        if all(prefilling.get(id(s), s.num_computed) == s.num_computed for s in seqs if id(s) in prefilling):
+            # No prompt token was computed this step: it is pure decoding, the part memory limits.
+            decode_seconds += step_seconds
+            decode_tokens += emitted
+            batch_sizes.append(emitted)
+        for out in outputs:
+            if out.finished:
+                done += 1
+                output_tokens += len(out.token_ids)
+        peak = max(peak, len(engine.scheduler.running))
+    seconds = time.perf_counter() - start
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"rate": rate, "peak_in_flight": peak, "seconds": seconds, "completed": done,
+            "output_tok_s": output_tokens / seconds, "total_tok_s": (prompt_tokens + output_tokens) / seconds,
+            "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0.0,
+            "mean_decode_batch": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+            "blocks": engine.blocks.num_blocks, "preemptions": engine.metrics().preemptions_total}
+
+
+def run(quick: bool = False, quality: bool = True) -> dict:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    throughput = _throughput_rows(quick)
+    if not quality:
+        return throughput
+    llm = LLM(QUALITY_MODEL, EngineConfig(kv_cache_memory="2GiB", max_num_batched_tokens=2048,
+                                          kv_min_prompt_tokens=128))
+    lengths = [1000, 2000] if quick else [1000, 2000, 3000, 4000]
+    tokenizer = llm.tokenizer
+    items = build_items(4 if quick else 16, lengths, lambda text: len(tokenizer.encode(text)))
+    rates = [1, 8, 32] if quick else list(RATES)
+    methods = [EvictionMethod.VARIABLE, EvictionMethod.UNIFORM] if quick else list(METHODS)
+    start = time.perf_counter()
+    scores = evaluate(llm, items, rates, methods)
+    scores["seconds"] = time.perf_counter() - start
+    return {"quality": scores, **throughput}
+
+
+def _throughput_rows(quick: bool) -> dict:
+    rng = random.Random(0)
+    count, length, new_tokens = (6, 1500, 32) if quick else (16, 2500, 128)
+    vocab_low, vocab_high = 1000, 40000  # ordinary word pieces of SmolLM2's vocabulary
+    prompts = [[rng.randrange(vocab_low, vocab_high) for _ in range(length + rng.randrange(0, 500))]
+               for _ in range(count)]
+    budget = "128MiB" if quick else "224MiB"  # about four uncompressed sequences
+    rows = [_throughput(rate, prompts, new_tokens, budget) for rate in (1.0, 8.0, 64.0)]
+    return {"throughput": rows, "requests": count, "prompt_tokens": length, "new_tokens": new_tokens,
+            "budget": budget}
+
+
+def markdown(r: dict) -> str:
+    lines = _quality_markdown(r["quality"]) if "quality" in r else []
+    return "\n".join(lines + _throughput_markdown(r))
+
+
+def _quality_markdown(q: dict) -> list[str]:
+    return [f"Quality: `python -m inference.eval.kv`, {q['items']} items ({', '.join(q['kinds'])}), "
+             f"Qwen2.5-Coder-0.5B bf16, greedy; {q['seconds']:.0f} s. QA score: share of answers containing every "
+             "expected string; agreement: share of the full-cache continuation reproduced before the first "
+             "differing token.", "", eval_markdown(q), ""]
+
+
+def _throughput_markdown(r: dict) -> list[str]:
+    base = r["throughput"][0]
+    lines = [f"Throughput: {r['requests']} requests of {r['prompt_tokens']}–{r['prompt_tokens'] + 500} prompt "
+              f"tokens and {r['new_tokens']} output tokens, SmolLM2-135M, KV pool {r['budget']}, greedy.", "",
+              "| compression | peak sequences in flight | total tok/s (ratio) | output tok/s | decode-step tok/s "
+              "(ratio) | mean decode batch | preemptions |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in r["throughput"]:
+        lines.append(f"| {row['rate']:g}× | {row['peak_in_flight']} | {row['total_tok_s']:.0f} "
+                     f"({row['total_tok_s'] / base['total_tok_s']:.2f}×) | {row['output_tok_s']:.1f} | "
+                     f"{row['decode_tok_s']:.1f} ({row['decode_tok_s'] / base['decode_tok_s']:.2f}×) | "
+                     f"{row['mean_decode_batch']:.1f} | {row['preemptions']} |")
+    lines += ["", "Total tok/s counts prompt and output tokens over the wall time; decode-step tok/s counts the "
+              "tokens of steps that computed no prompt token, over those steps' time."]
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(markdown(run(quick="--quick" in sys.argv, quality="--throughput-only" not in sys.argv)))

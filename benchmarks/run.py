@@ -1,0 +1,74 @@
+"""`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
+
+    python -m benchmarks.run [--only engine|speculation|api|batch|kv] [--quick]
+
+Each benchmark runs in its own process so one's memory and threads never colour another's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative decoding (CPU)",
+            "api": "Control plane API", "batch": "Batches: interactive latency and batch throughput",
+            "kv": "KV-cache compression (CPU)"}
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def _run_one(name: str, quick: bool) -> dict:
+    code = (f"import json, benchmarks.{name} as b; r = b.run({'quick=True' if quick and name != 'api' else ''});"
+            f" print('@@RESULT@@' + json.dumps({{'result': r, 'markdown': b.markdown(r)}}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("@@RESULT@@"):
+            return json.loads(line.removeprefix("@@RESULT@@"))
+    raise RuntimeError(f"benchmark {name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def _replace_section(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    block = f"{start}\n{body}\n{end}"
+    if start in text and end in text:
+        return text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    return text.rstrip() + f"\n\n## {SECTIONS[name]}\n\n{block}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=sorted(SECTIONS), action="append")
+    parser.add_argument("--quick", action="store_true", help="smaller engine workloads (a smoke run)")
+    args = parser.parse_args()
+    text = DOC.read_text() if DOC.exists() else (
+        "# Benchmarks\n\nFigures from `make bench` (`python -m benchmarks.run`). The machine is shared and noisy:"
+        " every comparison is side by side in one run, and ratios are what to read. Medians of repeated runs.\n")
+    for name in args.only or list(SECTIONS):
+        report = _run_one(name, args.quick)
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = f"python -m benchmarks.run --only {name}" + (" --quick" if args.quick else "")
+        body = f"Run {stamp} on {_machine()} with `{command}`.\n\n{report['markdown']}"
+        text = _replace_section(text, name, body)
+        print(body, "\n")
+    DOC.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

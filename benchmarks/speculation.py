@@ -1,0 +1,207 @@
+"""Speculative decoding benchmark (issue: speculative decoding), same prompts, same run, greedy.
+
+    python -m benchmarks.speculation [--quick]
+    python -m benchmarks.speculation --no-draft   (everything but the 1.5B draft-model rows)
+    python -m benchmarks.speculation --chat-only [--runs N]   (the must-not-cost rows alone, N alternating runs)
+
+Rows: prompt lookup vs no speculation (Qwen2.5-Coder-0.5B and SmolLM2-135M) on input-grounded tasks; the
+1.5B target with the 0.5B draft vs the 1.5B alone (when `make models-extra` installed it); open-ended chat
+with the adaptive default; 32 concurrent requests; and transformers' own prompt lookup and assisted
+generation on the same prompts. Each Hearth pair alternates runs (off, on, off, on, ...) and takes medians,
+so drift on a shared machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from benchmarks.spec_tasks import GROUNDED, OPEN_CHAT
+from inference import LLM, EngineConfig, GenerationRequest, SamplingParams
+from inference.models.catalog import model_path
+from inference.spec.settings import SpecMode, SpeculationSettings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+QWEN = "@hearth/qwen2.5-coder-0.5b-instruct"
+QWEN_15 = "@hearth/qwen2.5-coder-1.5b-instruct"
+SMOLLM = "@hearth/smollm2-135m-instruct"
+K = 8
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+              spec: SpeculationSettings | None) -> tuple[float, list]:
+    engine = llm.engine
+    requests = [GenerationRequest(p, params, speculation=spec) for p in prompts]
+    start = time.perf_counter()
+    for r in requests:
+        engine.add_request(r)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return time.perf_counter() - start, [done[r.request_id] for r in requests]
+
+
+def _pair(llm: LLM, prompts: list[list[int]], params: SamplingParams, spec: SpeculationSettings | None,
+          runs: int) -> dict:
+    """Tokens/s without and with speculation, alternating runs; acceptance from the last run."""
+    _generate(llm, prompts, params, None)  # warm up
+    base_t, spec_t = [], []
+    for _ in range(runs):
+        t, base = _generate(llm, prompts, params, SpeculationSettings(SpecMode.OFF))
+        base_t.append(t)
+        t, with_spec = _generate(llm, prompts, params, spec)
+        spec_t.append(t)
+    base_tokens = sum(len(o.token_ids) for o in base)
+    spec_tokens = sum(len(o.token_ids) for o in with_spec)
+    proposed = sum((o.speculation or {}).get("proposed", 0) for o in with_spec)
+    accepted = sum((o.speculation or {}).get("accepted", 0) for o in with_spec)
+    steps = sum((o.speculation or {}).get("steps", 0) for o in with_spec)
+    base_rate = base_tokens / statistics.median(base_t)
+    spec_rate = spec_tokens / statistics.median(spec_t)
+    return {"base_tok_s": base_rate, "spec_tok_s": spec_rate, "ratio": spec_rate / base_rate,
+            "base_tokens": base_tokens, "spec_tokens": spec_tokens, "proposed": proposed, "accepted": accepted,
+            "steps": steps,
+            "acceptance": accepted / proposed if proposed else 0.0,
+            "mean_accepted": accepted / steps if steps else 0.0,
+            "same_tokens": [o.token_ids for o in base] == [o.token_ids for o in with_spec]}
+
+
+def _overall(rows: list[dict], drafter: str) -> dict:
+    """All tasks of a drafter as one workload: total tokens over total (median) time, each side."""
+    base_tokens = sum(r["base_tokens"] for r in rows)
+    spec_tokens = sum(r["spec_tokens"] for r in rows)
+    base_rate = base_tokens / sum(r["base_tokens"] / r["base_tok_s"] for r in rows)
+    spec_rate = spec_tokens / sum(r["spec_tokens"] / r["spec_tok_s"] for r in rows)
+    proposed, accepted, steps = (sum(r[key] for r in rows) for key in ("proposed", "accepted", "steps"))
+    return {"model": rows[0]["model"], "workload": "grounded: all of the above", "drafter": drafter,
+            "base_tok_s": base_rate, "spec_tok_s": spec_rate, "ratio": spec_rate / base_rate,
+            "acceptance": accepted / proposed if proposed else 0.0, "mean_accepted": accepted / steps if steps else 0.0}
+
+
+def _hf_rates(name: str, prompts: list[list[int]], new_tokens: int, assistant: str | None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=dtype).eval()
+    helper = (AutoModelForCausalLM.from_pretrained(model_path(assistant), dtype=dtype).eval()
+              if assistant else None)
+
+    def run(**kwargs) -> float:
+        tokens, seconds = 0, 0.0
+        for p in prompts:
+            ids = torch.tensor([p])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                     do_sample=False, **kwargs)
+            seconds += time.perf_counter() - start
+            tokens += out.shape[1] - ids.shape[1]
+        return tokens / seconds
+
+    run()
+    plain = run()
+    lookup = run(prompt_lookup_num_tokens=K)
+    result = {"plain_tok_s": plain, "lookup_tok_s": lookup}
+    if helper is not None:
+        result["assisted_tok_s"] = run(assistant_model=helper)
+    return result
+
+
+def run(quick: bool = False, draft: bool = True) -> dict:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    runs = 1 if quick else 2
+    new_tokens = 48 if quick else 128
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    ngram = SpeculationSettings(SpecMode.NGRAM, K)
+    results: dict = {"new_tokens": new_tokens, "k": K, "rows": []}
+    tasks = GROUNDED[:2] if quick else GROUNDED
+    chats = OPEN_CHAT[:1] if quick else OPEN_CHAT
+
+    for name in (QWEN, SMOLLM):
+        llm = LLM(name, EngineConfig(kv_cache_memory="1GiB", speculation="ngram", num_speculative_tokens=K))
+        encode = [llm.encode(messages=[{"role": "user", "content": p}]) for _, p in tasks]
+        for (task, _), ids in zip(tasks, encode, strict=True):
+            results["rows"].append({"model": name, "workload": f"grounded: {task}", "drafter": "prompt lookup",
+                                    **_pair(llm, [ids], greedy, ngram, runs)})
+        if name == QWEN:
+            for task, prompt in chats:
+                ids = llm.encode(messages=[{"role": "user", "content": prompt}])
+                results["rows"].append({"model": name, "workload": f"open chat: {task}",
+                                        "drafter": "prompt lookup (adaptive)",
+                                        **_pair(llm, [ids], greedy, None, runs)})
+            batch = [llm.encode(messages=[{"role": "user", "content": p}]) for _, p in (GROUNDED + OPEN_CHAT)]
+            batch = (batch * 8)[: 8 if quick else 32]
+            results["rows"].append({"model": name, "workload": f"{len(batch)} concurrent (mixed)",
+                                    "drafter": "prompt lookup (adaptive)", **_pair(llm, batch, greedy, None, runs)})
+            results["hf_qwen"] = _hf_rates(QWEN, encode[:2], new_tokens, None)
+        del llm
+
+    if not draft:
+        results["draft_skipped"] = True
+    elif (model_path(QWEN_15) / "config.json").exists():
+        draft = SpeculationSettings(SpecMode.DRAFT, K)
+        for lookup_first, label in ((False, "0.5B draft"), (True, "0.5B draft, lookup first (default)")):
+            llm = LLM(QWEN_15, EngineConfig(kv_cache_memory="1GiB", draft_model=QWEN, num_speculative_tokens=K,
+                                            draft_lookup_first=lookup_first))
+            encode = [llm.encode(messages=[{"role": "user", "content": p}]) for _, p in tasks]
+            rows = [{"model": QWEN_15, "workload": f"grounded: {task}", "drafter": label,
+                     **_pair(llm, [ids], greedy, draft, runs)} for (task, _), ids in zip(tasks, encode, strict=True)]
+            results["rows"] += rows + [_overall(rows, label)]
+            del llm
+        results["hf_qwen15"] = _hf_rates(QWEN_15, encode[:1], new_tokens, QWEN)
+    else:
+        results["qwen15_missing"] = True
+    return results
+
+
+def markdown(r: dict) -> str:
+    lines = [f"Greedy, {r['new_tokens']} output tokens, k = {r['k']}, single stream unless noted; "
+             "bf16 on CPU. Ratios are tokens/s with speculation over without, same prompts, alternating runs.", "",
+             "| model | workload | drafter | no spec (tok/s) | spec (tok/s) | ratio | acceptance | mean accepted |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in r["rows"]:
+        lines.append(f"| {row['model'].split('/')[-1]} | {row['workload']} | {row['drafter']} | "
+                     f"{row['base_tok_s']:.1f} | {row['spec_tok_s']:.1f} | {row['ratio']:.2f}× | "
+                     f"{row['acceptance']:.2f} | {row['mean_accepted']:.2f} |")
+    hf = r.get("hf_qwen")
+    if hf:
+        lines += ["", f"transformers on the first two grounded prompts (Qwen2.5-Coder-0.5B): plain "
+                  f"{hf['plain_tok_s']:.1f} tok/s, prompt_lookup_num_tokens={r['k']} {hf['lookup_tok_s']:.1f} tok/s "
+                  f"({hf['lookup_tok_s'] / hf['plain_tok_s']:.2f}×)."]
+    hf15 = r.get("hf_qwen15")
+    if hf15:
+        lines += [f"transformers, Qwen2.5-Coder-1.5B on the first grounded prompt: plain {hf15['plain_tok_s']:.1f} "
+                  f"tok/s, assisted generation with the 0.5B {hf15['assisted_tok_s']:.1f} tok/s "
+                  f"({hf15['assisted_tok_s'] / hf15['plain_tok_s']:.2f}×)."]
+    if r.get("qwen15_missing"):
+        lines += ["", "Qwen2.5-Coder-1.5B is not installed (`make models-extra`): the draft-model rows are missing."]
+    return "\n".join(lines)
+
+
+def chat_rows(runs: int) -> dict:
+    """Only the rows where speculation must not cost: open-ended chat and 32 concurrent requests, with more
+    alternating runs than the full benchmark takes (their ratios sit near 1, where noise decides the sign)."""
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    greedy = SamplingParams(max_tokens=128, temperature=0.0)
+    llm = LLM(QWEN, EngineConfig(kv_cache_memory="1GiB", speculation="ngram", num_speculative_tokens=K))
+    results: dict = {"new_tokens": 128, "k": K, "rows": []}
+    for task, prompt in OPEN_CHAT:
+        ids = llm.encode(messages=[{"role": "user", "content": prompt}])
+        results["rows"].append({"model": QWEN, "workload": f"open chat: {task}", "drafter": "prompt lookup (adaptive)",
+                                **_pair(llm, [ids], greedy, None, runs)})
+    batch = [llm.encode(messages=[{"role": "user", "content": p}]) for _, p in (GROUNDED + OPEN_CHAT)]
+    results["rows"].append({"model": QWEN, "workload": "32 concurrent (mixed)", "drafter": "prompt lookup (adaptive)",
+                            **_pair(llm, (batch * 8)[:32], greedy, None, runs)})
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--chat-only" in sys.argv:
+        print(markdown(chat_rows(runs=int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 5)))
+    else:
+        print(markdown(run(quick="--quick" in sys.argv, draft="--no-draft" not in sys.argv)))

@@ -1,0 +1,38 @@
+"""Deterministic prompts for the benchmarks: real English text cut to exact token counts."""
+
+from __future__ import annotations
+
+import random
+
+SENTENCES = [
+    "The committee met on Tuesday to review the budget for the coming year.",
+    "Rain had fallen all night, and the river was higher than anyone could remember.",
+    "She opened the old notebook and found a list of names written in pencil.",
+    "Most of the engineers agreed that the bridge needed a new set of cables.",
+    "A small bakery on the corner sells bread that is still warm at seven in the morning.",
+    "The train was delayed by forty minutes because of a signal failure near the station.",
+    "He explained that the algorithm sorts the records by date before merging them.",
+    "Visitors to the museum can see a collection of maps drawn in the sixteenth century.",
+    "The garden behind the library is full of roses, herbs and a few tall sunflowers.",
+    "When the power went out, the whole street gathered around a single lantern.",
+    "The report recommends that schools start later so that students can sleep longer.",
+    "Our team measured the temperature of the lake every hour for three weeks.",
+    "The recipe calls for two cups of flour, one egg and a pinch of salt.",
+    "In the final chapter, the detective finally reveals who stole the painting.",
+    "The software update fixed a bug that caused the application to crash on startup.",
+    "Farmers in the valley grow apples, pears and a little wheat on the higher fields.",
+]
+
+
+def text_of_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    """Token ids of exactly num_tokens, from shuffled sentences (seeded, so every run sees the same prompts)."""
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        ids += tokenizer(" " + rng.choice(SENTENCES), add_special_tokens=False)["input_ids"]
+    return ids[:num_tokens]
+
+
+def concurrent_prompts(tokenizer, count: int = 32, low: int = 50, high: int = 500, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [text_of_tokens(tokenizer, rng.randint(low, high), seed * 1000 + i) for i in range(count)]

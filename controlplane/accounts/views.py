@@ -1,0 +1,98 @@
+"""Accounts and API keys over REST (Cloudflare-style envelopes), for the dashboard and for automation."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.utils.dateparse import parse_datetime
+from pydantic import Field
+
+from controlplane.accounts import services
+from controlplane.accounts.models import Account, ApiKey
+from controlplane.api import errors
+from controlplane.api.auth import principal
+from controlplane.api.http import api_view, envelope, json_response, read_json
+from controlplane.serving.schemas import StrictBody, parse
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def key_json(key: ApiKey) -> dict[str, Any]:
+    return {
+        "id": str(key.pk), "name": key.name, "prefix": key.prefix, "status": key.status,
+        "permission": key.permission, "models": key.allowed_models,
+        "requests_per_minute": key.requests_per_minute, "tokens_per_minute": key.tokens_per_minute,
+        "expires_on": _iso(key.expires_at), "revoked_on": _iso(key.revoked_at),
+        "last_used_on": _iso(key.last_used_at), "created_on": _iso(key.created_at),
+    }
+
+
+class KeyCreate(StrictBody):
+    name: str = Field("default", min_length=1, max_length=100)
+    permission: str = Field(ApiKey.Permission.RUN, description="read, run or admin")
+    models: list[str] = Field(default_factory=list, description="Model names; empty: every model.")
+    expires_on: str | None = Field(None, description="ISO 8601 time after which the key stops working.")
+    requests_per_minute: int | None = Field(None, ge=0)
+    tokens_per_minute: int | None = Field(None, ge=0)
+
+
+@api_view("native", ("GET",))
+def list_accounts(request: HttpRequest) -> HttpResponse:
+    who = principal(request)
+    if who.key is not None:
+        accounts = list(Account.objects.filter(pk=who.key.account_id))
+    else:
+        accounts = services.accounts_for_user(who.user)
+    result = [{"id": a.pk, "name": a.name, "type": "standard", "created_on": _iso(a.created_at),
+               "settings": {"paid_plan": a.paid_plan}} for a in accounts]
+    info = {"page": 1, "per_page": len(result), "count": len(result), "total_count": len(result)}
+    return json_response(envelope(result, result_info=info))
+
+
+@api_view("native", ("GET", "POST"))
+def keys(request: HttpRequest, account_id: str) -> HttpResponse:
+    who = principal(request)
+    if request.method == "GET":
+        who.require(account_id, ApiKey.Permission.ADMIN if who.key else ApiKey.Permission.READ)
+        rows = ApiKey.objects.filter(account_id=account_id)
+        return json_response(envelope([key_json(k) for k in rows]))
+    who.require(account_id, ApiKey.Permission.ADMIN)
+    body = parse(KeyCreate, read_json(request))
+    expires = None
+    if body.expires_on:
+        expires = parse_datetime(body.expires_on)
+        if expires is None or expires.tzinfo is None:
+            raise errors.invalid("expires_on must be an ISO 8601 time with a timezone", "expires_on")
+    account = Account.objects.get(pk=account_id)
+    key, secret = services.issue_key(
+        account, name=body.name, permission=body.permission, allowed_models=body.models, expires_at=expires,
+        requests_per_minute=body.requests_per_minute, tokens_per_minute=body.tokens_per_minute,
+        created_by=who.user)
+    return json_response(envelope({**key_json(key), "value": secret},
+                                  messages=["Store the key now: its secret is not shown again."]), status=201)
+
+
+@api_view("native", ("GET", "DELETE"))
+def key_detail(request: HttpRequest, account_id: str, key_id: str) -> HttpResponse:
+    who = principal(request)
+    if request.method == "GET":
+        who.require(account_id, ApiKey.Permission.ADMIN if who.key else ApiKey.Permission.READ)
+        key = ApiKey.objects.filter(account_id=account_id, pk=_uuid_or_404(key_id)).first()
+        if key is None:
+            raise errors.not_found(f"no API key {key_id} in this account")
+        return json_response(envelope(key_json(key)))
+    who.require(account_id, ApiKey.Permission.ADMIN)
+    key = services.revoke_key(account_id, _uuid_or_404(key_id))
+    return json_response(envelope(key_json(key)))
+
+
+def _uuid_or_404(value: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise errors.not_found(f"no API key {value} in this account") from None

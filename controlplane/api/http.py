@@ -1,0 +1,130 @@
+"""Small HTTP layer shared by every API route: JSON in and out, envelopes, SSE, and one error boundary."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from controlplane.api import errors
+from controlplane.api.errors import ApiError
+
+log = logging.getLogger("controlplane.api")
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> HttpResponse:
+    response = HttpResponse(dumps(data), status=status, content_type="application/json")
+    for name, value in (headers or {}).items():
+        response[name] = value
+    return response
+
+
+def envelope(result: Any, *, messages: list[str] | None = None, result_info: dict | None = None) -> dict:
+    body: dict[str, Any] = {"result": result, "success": True, "errors": [], "messages": messages or []}
+    if result_info is not None:
+        body["result_info"] = result_info
+    return body
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {data if isinstance(data, str) else dumps(data)}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def read_json(request: HttpRequest) -> dict[str, Any]:
+    """The body as a JSON object; 413 when too large, 400 (3003) when empty, not JSON or not an object."""
+    length = request.headers.get("Content-Length")
+    if length and length.isdigit() and int(length) > settings.HEARTH_MAX_REQUEST_BYTES:
+        raise errors.request_too_large(
+            f"Request is too large: {int(length):,} bytes, the limit is {settings.HEARTH_MAX_REQUEST_BYTES:,}")
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise errors.request_too_large() from None
+    if len(raw) > settings.HEARTH_MAX_REQUEST_BYTES:
+        raise errors.request_too_large()
+    if not raw.strip():
+        raise errors.malformed("Request is missing a body: send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.malformed(f"Malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise errors.malformed(f"The body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+class ResponseWithAfterClose(HttpResponse):
+    """A response that runs a callback once it has been sent (the ASGI handler closes it after the body).
+
+    Used to write usage after a non-streaming answer is on the wire rather than before it.
+    """
+
+    def __init__(self, *args: Any, after_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after_close: Callable[[], None] | None = after_close
+
+    def close(self) -> None:
+        # The body is on the wire already; run before super().close(), whose request_finished signal closes
+        # this thread's database connection (so the callback's connection is not left open).
+        callback, self._after_close = self._after_close, None
+        try:
+            if callback is not None:
+                callback()
+        except Exception:
+            log.exception("after-close callback failed")
+        finally:
+            super().close()
+
+
+def api_view(style: str, methods: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """CSRF-exempt (bearer auth), method check, and ApiError / unexpected errors rendered in the route's style.
+
+    Works for sync and async views alike.
+    """
+
+    def decorate(view: Callable) -> Callable:
+        def fail(exc: BaseException) -> HttpResponse:
+            if isinstance(exc, ApiError):
+                return exc.response(style)
+            log.exception("unhandled error in %s", view.__qualname__)
+            return errors.internal().response(style)
+
+        if inspect.iscoroutinefunction(view):
+            @functools.wraps(view)
+            async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+                if request.method not in methods:
+                    return errors.method_not_allowed(list(methods)).response(style)
+                try:
+                    return await view(request, *args, **kwargs)
+                except Exception as exc:
+                    return fail(exc)
+
+            return csrf_exempt(async_wrapper)
+
+        @functools.wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if request.method not in methods:
+                return errors.method_not_allowed(list(methods)).response(style)
+            try:
+                return view(request, *args, **kwargs)
+            except Exception as exc:
+                return fail(exc)
+
+        return csrf_exempt(wrapper)
+
+    return decorate

@@ -1,0 +1,207 @@
+"""The OpenAPI 3.1 document (/api/schema/), built from the same pydantic models that validate request bodies,
+and a self-contained docs page (/api/docs/) that renders it without any third-party script."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from controlplane.accounts.views import KeyCreate
+from controlplane.api.http import json_response
+from controlplane.batches.schemas import BatchCreate, NativePoll, NativeQueueRequest
+from controlplane.serving.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    NativeEmbeddings,
+    NativeTextGeneration,
+)
+
+ACCOUNT = {"name": "account_id", "in": "path", "required": True, "schema": {"type": "string"},
+           "description": "The account's 32-character id (printed by create_api_key; see GET /client/v4/accounts)."}
+MODEL = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+         "description": "A catalog model name such as @hearth/smollm2-135m-instruct (slashes may be %-encoded)."}
+AFFINITY = {"name": "x-session-affinity", "in": "header", "required": False, "schema": {"type": "string"},
+            "description": "Opaque session id; recorded on the usage event (routing by it comes with scale-out)."}
+ENVELOPE = {"type": "object", "properties": {
+    "result": {}, "success": {"type": "boolean"},
+    "errors": {"type": "array", "items": {"type": "object", "properties": {
+        "code": {"type": "integer"}, "message": {"type": "string"}}}},
+    "messages": {"type": "array", "items": {"type": "string"}}}}
+OPENAI_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+    "code": {"type": ["string", "null"]}}}}}
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    tag: str
+    style: str = "native"  # native (Cloudflare envelope) | openai
+    body: tuple[type[BaseModel], ...] = ()
+    params: tuple[dict[str, Any], ...] = ()
+    streams: bool = False
+    description: str = ""
+    errors: tuple[int, ...] = (400, 401, 403)
+    media: str | None = None  # the success response's media type when it is not JSON
+    form: dict[str, Any] | None = None  # a multipart/form-data body's schema
+
+
+_NATIVE_RUN = ("Run a model. Text generation takes prompt or messages (stream: true answers with SSE "
+               "`data: {\"response\": ...}` lines ending with `data: [DONE]`); embeddings take text. Errors: "
+               "5006 invalid input, 5007 unknown model, 5005 LoRA unsupported (400); 3006 too large (413); "
+               "3036 daily free allocation or budget used, 3040 out of capacity, 971 rate limited (429).")
+_NATIVE_QUEUE = (" Async batch: with ?queueRequest=true (or options.queueRequest), a body {\"requests\": [...]} "
+                 "(each a body of this route, with an optional external_reference) is queued and answered at once "
+                 "with {status: queued, request_id, model}; POST {\"request_id\"} to poll: queued or running, "
+                 "then {responses: [{id, result, success, external_reference}], usage}. Another account's "
+                 "request_id is 404.")
+FILE_ID = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}
+BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+PAGE = ({"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        {"name": "after", "in": "query", "schema": {"type": "string"}})
+QUEUE = {"name": "queueRequest", "in": "query", "required": False, "schema": {"type": "boolean"},
+         "description": "Queue the body's requests as an async batch (or poll one with a request_id body)."}
+FILE_UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary", "description": "JSONL: one {custom_id, method: POST, url, "
+             "body} per line."},
+    "purpose": {"type": "string", "enum": ["batch"]},
+    "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+    "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000}}}
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("get", "/client/v4/accounts", "Accounts this key (or signed-in user) belongs to", "Accounts"),
+    Operation("get", "/client/v4/accounts/{account_id}/tokens", "List the account's API keys", "API keys",
+              params=(ACCOUNT,)),
+    Operation("post", "/client/v4/accounts/{account_id}/tokens", "Create an API key (secret shown once)",
+              "API keys", body=(KeyCreate,), params=(ACCOUNT,)),
+    Operation("get", "/client/v4/accounts/{account_id}/tokens/{token_id}", "One API key", "API keys",
+              params=(ACCOUNT, {"name": "token_id", "in": "path", "required": True, "schema": {"type": "string"}}),
+              errors=(401, 403, 404)),
+    Operation("delete", "/client/v4/accounts/{account_id}/tokens/{token_id}", "Revoke an API key", "API keys",
+              params=(ACCOUNT, {"name": "token_id", "in": "path", "required": True, "schema": {"type": "string"}}),
+              errors=(401, 403, 404)),
+    Operation("post", "/client/v4/accounts/{account_id}/ai/run/{model}", "Run a model (Workers AI)", "Workers AI",
+              body=(NativeTextGeneration, NativeEmbeddings, NativeQueueRequest, NativePoll),
+              params=(ACCOUNT, MODEL, AFFINITY, QUEUE), streams=True, description=_NATIVE_RUN + _NATIVE_QUEUE,
+              errors=(400, 401, 403, 404, 413, 429)),
+    Operation("get", "/client/v4/accounts/{account_id}/ai/models/search", "Search the catalog (with prices)",
+              "Workers AI", params=(ACCOUNT,
+                                    {"name": "search", "in": "query", "schema": {"type": "string"}},
+                                    {"name": "task", "in": "query", "schema": {"type": "string"}},
+                                    {"name": "page", "in": "query", "schema": {"type": "integer"}},
+                                    {"name": "per_page", "in": "query", "schema": {"type": "integer"}})),
+    Operation("get", "/client/v4/accounts/{account_id}/ai/usage", "Usage from the rollups", "Usage",
+              params=(ACCOUNT,
+                      {"name": "since", "in": "query", "schema": {"type": "string"}},
+                      {"name": "until", "in": "query", "schema": {"type": "string"}},
+                      {"name": "granularity", "in": "query", "schema": {"enum": ["day", "minute"]}},
+                      {"name": "model", "in": "query", "schema": {"type": "string"}},
+                      {"name": "key", "in": "query", "schema": {"type": "string"}},
+                      {"name": "group_by", "in": "query", "schema": {"type": "string"},
+                       "description": "Comma-separated: model, key, day, minute."},
+                      {"name": "format", "in": "query", "schema": {"enum": ["json", "csv"]}})),
+    Operation("get", "/client/v4/accounts/{account_id}/ai/usage/export", "Usage as CSV", "Usage",
+              params=(ACCOUNT,), media="text/csv"),
+    Operation("get", "/v1/models", "List models (OpenAI)", "OpenAI", style="openai", errors=(401,)),
+    Operation("get", "/v1/models/{model}", "Retrieve a model (OpenAI)", "OpenAI", style="openai",
+              params=(MODEL,), errors=(401, 404)),
+    Operation("post", "/v1/chat/completions", "Chat completions (OpenAI)", "OpenAI", style="openai",
+              body=(ChatCompletionRequest,), params=(AFFINITY,), streams=True, errors=(400, 401, 403, 404, 429)),
+    Operation("post", "/v1/completions", "Completions (OpenAI)", "OpenAI", style="openai",
+              body=(CompletionRequest,), params=(AFFINITY,), streams=True, errors=(400, 401, 403, 404, 429)),
+    Operation("post", "/v1/embeddings", "Embeddings (OpenAI)", "OpenAI", style="openai",
+              body=(EmbeddingRequest,), params=(AFFINITY,), errors=(400, 401, 403, 404, 429)),
+    Operation("post", "/v1/files", "Upload a batch input file (OpenAI)", "OpenAI Batches", style="openai",
+              form=FILE_UPLOAD, errors=(400, 401, 403, 413)),
+    Operation("get", "/v1/files", "List files (OpenAI)", "OpenAI Batches", style="openai",
+              params=({"name": "purpose", "in": "query", "schema": {"type": "string"}}, *PAGE), errors=(400, 401)),
+    Operation("get", "/v1/files/{file_id}", "Retrieve a file (OpenAI)", "OpenAI Batches", style="openai",
+              params=(FILE_ID,), errors=(401, 404)),
+    Operation("delete", "/v1/files/{file_id}", "Delete a file (OpenAI)", "OpenAI Batches", style="openai",
+              params=(FILE_ID,), errors=(401, 403, 404)),
+    Operation("get", "/v1/files/{file_id}/content", "A file's content: input, output or error JSONL (OpenAI)",
+              "OpenAI Batches", style="openai", params=(FILE_ID,), errors=(401, 404), media="application/jsonl"),
+    Operation("post", "/v1/batches", "Create a batch from an uploaded file (OpenAI)", "OpenAI Batches",
+              style="openai", body=(BatchCreate,), errors=(400, 401, 403, 404),
+              description="Statuses: validating, in_progress, finalizing, completed, failed, expired, "
+              "cancelling, cancelled. A malformed line fails alone, into the error file."),
+    Operation("get", "/v1/batches", "List batches (OpenAI)", "OpenAI Batches", style="openai", params=PAGE,
+              errors=(400, 401)),
+    Operation("get", "/v1/batches/{batch_id}", "Retrieve a batch (OpenAI)", "OpenAI Batches", style="openai",
+              params=(BATCH_ID,), errors=(401, 404)),
+    Operation("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch (OpenAI)", "OpenAI Batches",
+              style="openai", params=(BATCH_ID,), errors=(401, 403, 404, 409)),
+)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _operation(op: Operation) -> dict[str, Any]:
+    error_schema = OPENAI_ERROR if op.style == "openai" else ENVELOPE
+    content: dict[str, Any] = {"application/json": {"schema": ENVELOPE if op.style == "native" else {}}}
+    if op.streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    if op.media:
+        content = {op.media: {"schema": {"type": "string"}}}
+    doc: dict[str, Any] = {
+        "summary": op.summary, "tags": [op.tag], "operationId": f"{op.method}_{op.path}",
+        "parameters": list(op.params),
+        "responses": {"200": {"description": "OK", "content": content},
+                      **{str(s): {"description": "Error", "content": {"application/json": {"schema": error_schema}}}
+                         for s in op.errors}},
+    }
+    if op.description:
+        doc["description"] = op.description
+    if op.body:
+        schema = _ref(op.body[0]) if len(op.body) == 1 else {"oneOf": [_ref(b) for b in op.body]}
+        doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    if op.form:
+        doc["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": op.form}}}
+    return doc
+
+
+@functools.cache
+def build_schema() -> dict[str, Any]:
+    models = sorted({b for op in OPERATIONS for b in op.body}, key=lambda m: m.__name__)
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    paths: dict[str, Any] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op)
+        if op.style == "openai":
+            # The same routes are mounted under the account, as Workers AI does.
+            mounted = f"/client/v4/accounts/{{account_id}}/ai{op.path}"
+            account_op = _operation(op)
+            account_op["operationId"] = f"{op.method}_{mounted}"
+            account_op["parameters"] = [ACCOUNT, *op.params]
+            paths.setdefault(mounted, {})[op.method] = account_op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Hearth API", "version": "1",
+                 "description": "Workers-AI-native and OpenAI-compatible inference, catalog, keys and usage."},
+        "paths": paths,
+        "components": {"schemas": defs.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }
+
+
+def schema_view(request: HttpRequest) -> HttpResponse:
+    return json_response(build_schema())
+
+
+def docs_view(request: HttpRequest) -> HttpResponse:
+    schema = build_schema()
+    operations = [{"method": method.upper(), "path": path, **op} for path, methods in schema["paths"].items()
+                  for method, op in methods.items()]
+    return render(request, "api/docs.html", {"operations": operations, "schemas": schema["components"]["schemas"]})

@@ -1,0 +1,112 @@
+"""ASGI entry point (uvicorn controlplane.asgi:application).
+
+Adds what Django's ASGI handler lacks: the lifespan protocol (engines are shut down cleanly, and models named in
+HEARTH_PRELOAD_MODELS are loaded at startup instead of on the first request), the in-process batch worker
+(HEARTH_BATCH_WORKER=inprocess) and, in embedded mode, static files. Channels' ProtocolTypeRouter is the
+place where the dashboard's WebSocket routes plug in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from typing import Any
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.asgi import get_asgi_application  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+
+django_app = get_asgi_application()
+
+
+class ApiASGIHandler(ASGIHandler):
+    """Django's handler with the lean HEARTH_API_MIDDLEWARE stack, for routes that only take API keys."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        # BaseHandler reads settings.MIDDLEWARE; swap in the API list for the duration of this one call (at
+        # startup, before any request).
+        full = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.HEARTH_API_MIDDLEWARE
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = full
+
+
+# Key-only routes: inference, the OpenAI mount, catalog search, metrics and health. Routes that also accept a
+# signed-in user (keys, usage, accounts) keep the full stack.
+API_PATHS = re.compile(r"^/(v1/|healthz$|metrics$|client/v4/accounts/[^/]+/ai/(run|v1|models)/)")
+api_app = ApiASGIHandler()
+
+
+async def http_router(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    app = api_app if API_PATHS.match(scope.get("path", "")) else django_app
+    await app(scope, receive, send)
+
+
+if settings.HEARTH_SERVE_STATIC:
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+
+    django_app = ASGIStaticFilesHandler(django_app)
+
+log = logging.getLogger("controlplane.asgi")
+
+
+async def _preload() -> None:
+    from asgiref.sync import sync_to_async
+
+    from controlplane.catalog.services import get_model
+    from controlplane.serving.dispatch import get_backend
+
+    names = [n.strip() for n in os.environ.get("HEARTH_PRELOAD_MODELS", "").split(",") if n.strip()]
+    backend = get_backend()
+    for name in names:
+        entry = await sync_to_async(get_model)(name)
+        if entry is None:
+            log.warning("HEARTH_PRELOAD_MODELS names %s, which is not in the catalog", name)
+        elif entry.is_embedding:
+            await backend.embed(name, ["warm up"])
+        else:
+            await backend.model_info(name)
+        log.info("preloaded %s", name)
+
+
+async def _start_batch_worker() -> None:
+    """The in-process Celery worker for batches (HEARTH_BATCH_WORKER=inprocess); off when workers run apart."""
+    from controlplane.batches.runtime import start_embedded
+
+    try:
+        await asyncio.to_thread(start_embedded)
+    except Exception:  # batches wait in the database; the interactive API must come up regardless
+        log.exception("the embedded batch worker did not start; queued batches wait until it does")
+
+
+async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await _preload()
+            except Exception:  # a model that fails to load must not keep the rest of the API down
+                log.exception("preloading models failed; they will load on first use")
+            await _start_batch_worker()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            from controlplane.batches.runtime import stop_embedded
+            from controlplane.serving.dispatch import current_backend
+
+            await asyncio.to_thread(stop_embedded)
+            backend = current_backend()
+            if backend is not None:
+                backend.shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+application = ProtocolTypeRouter({"http": http_router, "lifespan": lifespan})

@@ -1,0 +1,36 @@
+"""Progress events for the dashboard: every change of a batch's counts or status is sent to the account's
+channel-layer group, `batches.<account_id>`, as {"type": "batch.progress", ...}. A consumer subscribes with
+`channel_layer.group_add(group_name(account_id), channel_name)`. Publishing never fails the work it reports:
+no layer configured, or an unreachable one, only costs the event."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+from controlplane.batches.models import Batch
+
+log = logging.getLogger("controlplane.batches")
+EVENT_TYPE = "batch.progress"
+
+
+def group_name(account_id: str) -> str:
+    return f"batches.{account_id}"
+
+
+def progress(batch: Batch) -> dict[str, Any]:
+    return {"type": EVENT_TYPE, "batch_id": batch.pk, "api": batch.api, "status": batch.status,
+            "total": batch.total_count, "completed": batch.completed_count, "failed": batch.failed_count,
+            "cancelled": batch.cancelled_count}
+
+
+def publish(batch: Batch) -> None:
+    try:
+        layer = get_channel_layer()
+        if layer is not None:
+            async_to_sync(layer.group_send)(group_name(batch.account_id), progress(batch))
+    except Exception:
+        log.warning("could not publish progress of batch %s", batch.pk, exc_info=True)

@@ -1,0 +1,194 @@
+"""The one seam between the control plane and inference.
+
+Views talk only to a Backend. InProcessBackend holds one lazily loaded AsyncEngine per generation model and one
+Embedder per embedding model inside this process; a remote backend (scale-out workers) implements the same
+protocol, and nothing else in the control plane changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from inference import AsyncEngine, EngineConfig, GenerationRequest, ModelInfo, RequestOutput
+from inference.engine import EngineMetrics
+from inference.models.bert import Embedder
+
+log = logging.getLogger("controlplane.serving")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingResult:
+    vectors: list[list[float]]
+    dim: int
+    prompt_tokens: int
+    token_counts: list[int]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the control plane needs from inference, wherever it runs."""
+
+    async def model_info(self, model: str) -> ModelInfo: ...
+
+    async def encode(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None,
+                     raw: bool = False) -> list[int]: ...
+
+    def stream(self, model: str, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def generate(self, model: str, request: GenerationRequest) -> RequestOutput: ...
+
+    async def embed(self, model: str, texts: list[str]) -> EmbeddingResult: ...
+
+    def metrics(self) -> Mapping[str, EngineMetrics]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def _engine_config(engine_settings: Mapping[str, Any]) -> EngineConfig:
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(engine_settings) - known)
+    if unknown:
+        log.warning("ignoring unknown engine settings %s", unknown)
+    return EngineConfig(**{k: v for k, v in engine_settings.items() if k in known})
+
+
+def _catalog_settings(model: str) -> Mapping[str, Any]:
+    from django.db import connection
+
+    from controlplane.catalog.services import get_model
+
+    try:
+        entry = get_model(model)
+    finally:
+        # Engines load in a pool thread that never serves a request; don't leave a connection open there.
+        if not connection.in_atomic_block:
+            connection.close()
+    # Batch work may fill only part of the engine's sequence slots unless the model's settings say otherwise;
+    # the rest stay free for interactive requests. HEARTH_KV_COMPRESSION=0 switches compression off server-wide,
+    # whatever a model's settings or a request ask for.
+    chosen = {"max_batch_class_seqs": settings.HEARTH_BATCH_ENGINE_SEQS,
+              **(dict(entry.engine_settings) if entry else {})}
+    if not settings.HEARTH_KV_COMPRESSION:
+        chosen["kv_compression"] = False
+    return chosen
+
+
+class InProcessBackend:
+    """Engines in this process, loaded on first use (loading happens in a worker thread, off the event loop)."""
+
+    def __init__(self, settings_for: Callable[[str], Mapping[str, Any]] = _catalog_settings) -> None:
+        self._settings_for = settings_for
+        self._engines: dict[str, AsyncEngine] = {}
+        self._embedders: dict[str, Embedder] = {}
+        self._load_lock = threading.Lock()
+        # The embedder runs its forward pass in the calling thread; one at a time keeps CPU threads sane.
+        self._embed_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ loading
+    def _load_engine(self, model: str) -> AsyncEngine:
+        with self._load_lock:
+            engine = self._engines.get(model)
+            if engine is None or not engine.alive:
+                if engine is not None:
+                    log.error("engine for %s died; loading a fresh one", model)
+                log.info("loading engine for %s", model)
+                engine = AsyncEngine.from_model(model, _engine_config(self._settings_for(model)))
+                self._engines[model] = engine
+            return engine
+
+    def _load_embedder(self, model: str) -> Embedder:
+        with self._load_lock:
+            embedder = self._embedders.get(model)
+            if embedder is None:
+                log.info("loading embedder for %s", model)
+                embedder = Embedder.from_model(model)
+                self._embedders[model] = embedder
+            return embedder
+
+    async def engine(self, model: str) -> AsyncEngine:
+        engine = self._engines.get(model)
+        if engine is not None and engine.alive:
+            return engine
+        return await asyncio.to_thread(self._load_engine, model)
+
+    def engine_sync(self, model: str) -> AsyncEngine:
+        """For callers outside an event loop (benchmarks, management commands)."""
+        return self._load_engine(model)
+
+    # ------------------------------------------------------------------ Backend
+    async def model_info(self, model: str) -> ModelInfo:
+        return (await self.engine(model)).info
+
+    async def encode(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None,
+                     raw: bool = False) -> list[int]:
+        engine = await self.engine(model)
+        return engine.encode(prompt=prompt, messages=messages, raw=raw)
+
+    async def stream(self, model: str, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        engine = await self.engine(model)
+        async for out in engine.stream(request):
+            yield out
+
+    async def generate(self, model: str, request: GenerationRequest) -> RequestOutput:
+        return await (await self.engine(model)).generate(request)
+
+    async def embed(self, model: str, texts: list[str]) -> EmbeddingResult:
+        embedder = self._embedders.get(model) or await asyncio.to_thread(self._load_embedder, model)
+
+        def run() -> EmbeddingResult:
+            with self._embed_lock:
+                out = embedder.embed(texts)
+            return EmbeddingResult(vectors=out.embeddings.tolist(), dim=embedder.dim,
+                                   prompt_tokens=out.prompt_tokens, token_counts=list(out.token_counts))
+
+        return await asyncio.to_thread(run)
+
+    def metrics(self) -> Mapping[str, EngineMetrics]:
+        return {name: engine.metrics() for name, engine in list(self._engines.items())}
+
+    def shutdown(self) -> None:
+        with self._load_lock:
+            engines, self._engines = self._engines, {}
+            self._embedders = {}
+        for engine in engines.values():
+            engine.shutdown()
+
+
+_backend: Backend | None = None
+_backend_lock = threading.Lock()
+
+
+def get_backend() -> Backend:
+    """The process-wide backend named by HEARTH_ENGINE (only `inprocess` until workers exist)."""
+    global _backend
+    if _backend is None:
+        with _backend_lock:
+            if _backend is None:
+                kind = os.environ.get("HEARTH_ENGINE") or settings.HEARTH_ENGINE
+                if kind != "inprocess":
+                    raise ImproperlyConfigured(f"HEARTH_ENGINE={kind!r}: only 'inprocess' is available")
+                _backend = InProcessBackend()
+    return _backend
+
+
+def current_backend() -> Backend | None:
+    """The backend if one was created; never creates one (metrics scrapes must not load engines)."""
+    return _backend
+
+
+def set_backend(backend: Backend | None) -> Backend | None:
+    """Install another backend (tests, benchmarks, a future remote dispatcher); returns the previous one."""
+    global _backend
+    with _backend_lock:
+        previous, _backend = _backend, backend
+    return previous
+

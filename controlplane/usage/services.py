@@ -1,0 +1,143 @@
+"""Writing usage events with their rollups, and the account-level checks (free allocation, hard budget)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F, Model, Sum
+from django.utils import timezone
+
+from controlplane.accounts.services import KeyContext
+from controlplane.api import errors
+from controlplane.catalog.services import PriceSnapshot, get_model
+from controlplane.usage.models import Source, Status, UsageDay, UsageEvent, UsageMinute
+
+log = logging.getLogger("controlplane.usage")
+_ZERO = Decimal(0)
+
+
+@dataclass(slots=True)
+class UsageRecord:
+    """Everything a request contributes to metering; built by the serving layer, written by record()."""
+
+    account_id: str
+    key_id: str | None
+    model: str
+    route: str
+    status: str = Status.OK
+    http_status: int = 200
+    error_code: str = ""
+    adapter: str = ""
+    request_id: str = ""
+    source: str = Source.INTERACTIVE
+    stream: bool = False
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+    spec_proposed: int = 0  # draft tokens speculative decoding proposed for this request
+    spec_accepted: int = 0  # of which the target model accepted
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    session_affinity: str = ""
+    created_at: datetime | None = None
+
+
+def _bump(model: type[Model], lookup: dict[str, Any], deltas: dict[str, Any]) -> None:
+    """Add deltas to the rollup row for lookup, creating it on first use (race-safe on SQLite and PostgreSQL)."""
+    increments = {name: F(name) + value for name, value in deltas.items()}
+    if model.objects.filter(**lookup).update(**increments):
+        return
+    try:
+        with transaction.atomic():
+            model.objects.create(**lookup, **deltas)
+    except IntegrityError:
+        # Another writer created the row between our update and insert.
+        model.objects.filter(**lookup).update(**increments)
+
+
+def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
+    """Write one usage event and fold it into the minute and day rollups, in one transaction.
+
+    The price is the one in effect when the request arrived (looked up from the catalog when not given); a
+    failed request is never billable whatever tokens it reports.
+    """
+    created = rec.created_at or timezone.now()
+    if price is None:
+        entry = get_model(rec.model)
+        price = entry.price_at(created.timestamp()) if entry else None
+    billable = rec.status != Status.ERROR
+    tokens_in = rec.input_tokens if billable else 0
+    tokens_cached = min(rec.cached_input_tokens, tokens_in) if billable else 0
+    tokens_out = rec.output_tokens if billable else 0
+    neurons = price.neurons(tokens_in, tokens_cached, tokens_out) if price and billable else _ZERO
+    if price is not None and rec.source == Source.BATCH:
+        neurons = neurons * (100 - price.batch_discount()) / 100
+    cost = price.cost_usd(neurons) if price and billable else _ZERO
+    neurons = neurons.quantize(Decimal("0.000001"))
+    cost = cost.quantize(Decimal("0.0000000001"))
+    key_id = rec.key_id or ""
+    with transaction.atomic():
+        event = UsageEvent.objects.create(
+            created_at=created, account_id=rec.account_id, api_key_id=rec.key_id, model=rec.model,
+            adapter=rec.adapter, request_id=rec.request_id[:64], route=rec.route, source=rec.source,
+            status=rec.status, http_status=rec.http_status, error_code=rec.error_code, stream=rec.stream,
+            input_tokens=tokens_in, cached_input_tokens=tokens_cached, output_tokens=tokens_out,
+            spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
+            neurons=neurons, cost_usd=cost, price_id=price.price_id if price and billable else None,
+            latency_ms=rec.latency_ms, ttft_ms=rec.ttft_ms, session_affinity=rec.session_affinity[:200])
+        deltas = {
+            "requests": 1, "errors": 0 if rec.status != Status.ERROR else 1,
+            "input_tokens": tokens_in, "cached_input_tokens": tokens_cached, "output_tokens": tokens_out,
+            "spec_proposed": rec.spec_proposed, "spec_accepted": rec.spec_accepted,
+            "neurons": neurons, "cost_usd": cost, "latency_ms_sum": rec.latency_ms,
+            "ttft_ms_sum": rec.ttft_ms or 0.0, "ttft_count": 1 if rec.ttft_ms is not None else 0,
+        }
+        common = {"account_id": rec.account_id, "model": rec.model, "key_id": key_id}
+        utc = created.astimezone(UTC)
+        _bump(UsageMinute, {**common, "minute": utc.replace(second=0, microsecond=0)}, deltas)
+        _bump(UsageDay, {**common, "day": utc.date()}, deltas)
+    return event
+
+
+def neurons_used_on(account_id: str, day) -> Decimal:
+    total = UsageDay.objects.filter(account_id=account_id, day=day).aggregate(n=Sum("neurons"))["n"]
+    return Decimal(total or 0)
+
+
+def cost_in_month(account_id: str, now: datetime) -> Decimal:
+    utc = now.astimezone(UTC)
+    first = utc.date().replace(day=1)
+    total = UsageDay.objects.filter(account_id=account_id, day__gte=first).aggregate(c=Sum("cost_usd"))["c"]
+    return Decimal(total or 0)
+
+
+def seconds_to_utc_midnight(now: datetime) -> float:
+    utc = now.astimezone(UTC)
+    midnight = datetime.combine(utc.date() + timedelta(days=1), datetime.min.time(), tzinfo=UTC)
+    return (midnight - utc).total_seconds()
+
+
+def check_account_limits(ctx: KeyContext, now: datetime | None = None) -> None:
+    """Refuse (429 / 3036) once a free account used its daily allocation or any account hit its hard budget."""
+    now = now or timezone.now()
+    if not ctx.paid_plan:
+        used = neurons_used_on(ctx.account_id, now.astimezone(UTC).date())
+        if used >= ctx.free_neurons_per_day:
+            raise errors.account_limited(
+                f"You have used up your daily free allocation of {ctx.free_neurons_per_day:,} neurons; it resets "
+                "at 00:00 UTC. Upgrade the account to a paid plan to continue.",
+                seconds_to_utc_midnight(now))
+    if ctx.monthly_budget_usd is not None:
+        spent = cost_in_month(ctx.account_id, now)
+        if spent >= ctx.monthly_budget_usd:
+            utc = now.astimezone(UTC)
+            next_month = (utc.replace(day=28) + timedelta(days=4)).replace(
+                day=1, hour=0, minute=0, second=0, microsecond=0)
+            raise errors.account_limited(
+                f"The account's hard budget of ${ctx.monthly_budget_usd} for this month is used up "
+                f"(${spent:.4f} spent).", (next_month - utc).total_seconds())

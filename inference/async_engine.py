@@ -1,0 +1,172 @@
+"""The engine loop in a background thread, with asyncio and blocking front ends.
+
+Only the loop thread touches the engine's state: callers post commands into an inbox and receive outputs
+through per-request sinks (an asyncio queue fed with call_soon_threadsafe, or a plain queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from inference.config import EngineConfig
+from inference.engine import EngineMetrics, LLMEngine
+from inference.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from inference.outputs import RequestOutput
+from inference.prompts import encode_prompt
+from inference.sequence import GenerationRequest
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._sinks: dict[str, Sink] = {}
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._metrics = engine.metrics()
+        self._pending = 0  # submitted, not yet taken in by the loop
+        self._tokenizer_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"hearth-engine-{engine.info.name}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, name_or_path: str | Path, config: EngineConfig | None = None) -> AsyncEngine:
+        return cls(LLMEngine.from_model(name_or_path, config))
+
+    # ----------------------------------------------------------------- front end
+    def encode(self, prompt: str | None = None, messages: list | None = None, raw: bool = False) -> list[int]:
+        with self._tokenizer_lock:
+            return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw)
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Queue a request; sink receives every RequestOutput (or an exception) on the loop thread."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        self.engine.validate(request)
+        if self._metrics.queue_depth + self._pending >= self.engine.config.max_queue:
+            raise EngineOverloadedError("the engine's queue is full; retry later")
+        self._pending += 1
+        self._inbox.put(("add", request, sink))
+        self._wakeup.set()
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs as they are produced. Leaving the loop early (or cancelling) aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.submit(request, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)  # type: ignore[arg-type]
+
+    async def generate(self, request: GenerationRequest) -> RequestOutput:
+        final = None
+        async for out in self.stream(request):
+            final = out
+        assert final is not None
+        return final
+
+    def generate_blocking(self, request: GenerationRequest, timeout: float | None = None) -> RequestOutput:
+        """For threads without an event loop (workers, scripts)."""
+        outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self.submit(request, outputs.put)
+        while True:
+            item = outputs.get(timeout=timeout)
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                return item
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wakeup.set()
+
+    def metrics(self) -> EngineMetrics:
+        return self._metrics
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # ----------------------------------------------------------------- loop thread
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, sink = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._pending -= 1
+                try:
+                    self.engine.add_request(payload)
+                except InvalidRequestError as exc:
+                    self._deliver(sink, exc)
+                    continue
+                self._sinks[payload.request_id] = sink
+            elif kind == "abort":
+                self.engine.abort(payload)
+
+    def _deliver(self, sink: Sink, item: RequestOutput | BaseException) -> None:
+        """A caller's sink failing (say, its event loop closed) costs that caller its request, nobody else."""
+        try:
+            sink(item)
+        except Exception:
+            log.exception("a request's output sink failed; aborting that request")
+            if isinstance(item, RequestOutput) and not item.finished:
+                self._sinks.pop(item.request_id, None)
+                self.engine.abort(item.request_id)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._metrics = self.engine.metrics()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                with self._tokenizer_lock:
+                    outputs = self.engine.step()
+                self._metrics = self.engine.metrics()
+                for out in outputs:
+                    sink = self._sinks.get(out.request_id)
+                    if sink is None:
+                        continue
+                    if out.finished:
+                        del self._sinks[out.request_id]
+                    self._deliver(sink, out)
+        except BaseException as exc:  # the loop itself broke: fail every waiting caller, loudly
+            log.exception("the engine loop stopped")
+            self._dead = exc
+            for sink in self._sinks.values():
+                sink(EngineDeadError(f"the engine stopped: {exc}"))
+            self._sinks.clear()

@@ -1,0 +1,415 @@
+"""The synchronous engine: submit requests, call step(), read outputs. Everything else wraps this."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference.block_manager import BlockManager
+from inference.compression import CompressionConfig, KVCompressor
+from inference.config import EngineConfig
+from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from inference.errors import InvalidRequestError, PromptTooLongError
+from inference.kv_cache import KVLayout, KVPool
+from inference.model_runner import ModelRunner, StepResult
+from inference.models.loader import LoadedModel, load_model
+from inference.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
+from inference.sampler import Sampler, SamplingRow, make_generator
+from inference.sampling_params import SamplingParams
+from inference.scheduler import ScheduledChunk, Scheduler
+from inference.sequence import GenerationRequest, Sequence, SequenceStatus
+from inference.spec.controller import AdaptivePolicy, SpecController
+from inference.spec.drafter import Drafter
+from inference.spec.hybrid import LOOKUP_FIRST_MIN_N, LookupFirst
+from inference.spec.ngram import ENGINE_MIN_N, NgramDrafter
+from inference.spec.settings import MAX_SPECULATIVE_TOKENS, SpecMode, SpeculationSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    queue_depth: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished_total: int
+    preemptions_total: int
+    ttft_s_avg: float | None
+    tpot_s_avg: float | None
+    tokens_per_s: float  # generated tokens per second over the last ~10 s
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_per_position_acceptance: list[float] | None = None
+    kv_compressions_total: int = 0
+    kv_evicted_entries_total: int = 0
+    kv_freed_blocks_total: int = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.info = loaded.info
+        layout = KVLayout(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
+                          self.config.block_size, self.model.dtype)
+        self.pool = KVPool.from_budget(layout, int(self.config.kv_cache_memory), self.model.device)
+        self.blocks = BlockManager(layout, self.pool.num_blocks, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.max_batch_class_seqs)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.compressor = KVCompressor(CompressionConfig(
+            enabled=self.config.kv_compression, default=self.config.default_kv_compression(),
+            sink_tokens=self.config.kv_sink_tokens, recent_tokens=self.config.kv_recent_tokens,
+            min_prompt_tokens=self.config.kv_min_prompt_tokens,
+            observation_window=self.config.kv_observation_window,
+            score_pooling=self.config.kv_score_pooling), self.pool, self.blocks)
+        self.sampler = Sampler()
+        self.max_model_len = min(self.config.max_model_len or self.info.context_window,
+                                 self.info.context_window)
+        drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter(min_n=ENGINE_MIN_N)}
+        if self.config.draft_model:
+            from inference.spec.draft_model import DraftModelDrafter
+
+            model_drafter: Drafter = DraftModelDrafter.for_target(
+                self.config.draft_model, self, vocab=self.config.draft_vocab,
+                min_confidence=self.config.draft_min_confidence)
+            if self.config.draft_lookup_first:
+                model_drafter = LookupFirst(NgramDrafter(min_n=LOOKUP_FIRST_MIN_N), model_drafter)
+            drafters[SpecMode.DRAFT] = model_drafter
+        self.spec = SpecController(
+            default=SpeculationSettings(SpecMode(self.config.speculation), self.config.num_speculative_tokens),
+            drafters=drafters, sampler=self.sampler,
+            policy=AdaptivePolicy(min_acceptance=self.config.spec_min_acceptance,
+                                  max_batch=self.config.spec_max_batch))
+        self._sequences: dict[str, Sequence] = {}
+        self._finished_outputs: list[RequestOutput] = []
+        # Counters for metrics.
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._finished_total = 0
+        self._preemptions_total = 0
+        self._ttft_sum = 0.0
+        self._ttft_count = 0
+        self._tpot_sum = 0.0
+        self._tpot_count = 0
+        self._recent: deque[tuple[float, int]] = deque()
+
+    @classmethod
+    def from_model(cls, name_or_path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        config = config or EngineConfig()
+        return cls(load_model(name_or_path, config), config)
+
+    # ----------------------------------------------------------------- requests
+    @property
+    def token_limit(self) -> int:
+        """Most tokens (prompt + output) one sequence may hold: the context window or the whole KV pool."""
+        return min(self.max_model_len, self.pool.capacity_tokens)
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Every check a request must pass before it is queued; raises InvalidRequestError."""
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len >= self.token_limit:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_len} tokens but at most {self.token_limit - 1} fit "
+                f"(context window {self.max_model_len}, KV cache {self.pool.capacity_tokens} tokens)",
+                prompt_tokens=prompt_len, limit=self.token_limit - 1)
+        vocab = self.model.vocab_size
+        if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        spec = request.speculation
+        if spec is not None and spec.enabled and spec.mode not in self.spec.drafters:
+            raise InvalidRequestError(f"speculation {spec.mode.value!r} is not available on this model")
+
+    def add_request(self, request: GenerationRequest) -> Sequence:
+        if request.request_id in self._sequences:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.validate(request)
+        params = request.params
+        seq = Sequence(
+            request=request,
+            blocks=self.blocks.new_sequence(),
+            generator=make_generator(params.seed) if not params.greedy else None,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                               skip_special_tokens=params.skip_special_tokens),
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+        )
+        settings = self.compressor.settings_for(request.kv_compression)
+        if settings is not None and seq.prompt_len >= self.compressor.config.min_prompt_tokens:
+            # Entries per head never exceed the tokens the sequence can hold, drafts included.
+            limit = min(seq.prompt_len + params.max_tokens, self.token_limit) + MAX_SPECULATIVE_TOKENS + 1
+            seq.compression = self.compressor.start(settings, limit)
+        self._sequences[request.request_id] = seq  # type: ignore[index]
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        self._finished_outputs.append(self._output(seq))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._finished_outputs)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Draft, schedule, run the model once, verify or sample, and report what each request produced."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1], self.token_limit,
+                          load=self.scheduler.num_unfinished)
+        plan = self.scheduler.schedule()
+        self._preemptions_total += len(plan.preempted)
+        if not plan:
+            return outputs
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            if chunk.seq.metrics.first_scheduled_time is None:
+                chunk.seq.metrics.first_scheduled_time = now
+        for chunks, result in self._run_isolated(plan.chunks, outputs):
+            for chunk in chunks:
+                if chunk.num_draft == 0:
+                    self._computed(chunk.seq, chunk.num_tokens)
+            self._sample_and_append(result.sampled_chunks, result.logits, outputs)
+        self._compress(plan.chunks)
+        return outputs
+
+    def _compress(self, chunks: list[ScheduledChunk]) -> None:
+        """Compress the KV of sequences that finished their prompt or grew past their budget this step."""
+        for chunk in chunks:
+            seq = chunk.seq
+            state = seq.compression
+            if state is None or seq.finished or seq.status is not SequenceStatus.RUNNING:
+                continue
+            blocks = seq.blocks
+            if self.compressor.due(state, blocks.num_entries, seq.num_computed, seq.prompt_len, blocks.compressed):
+                self.compressor.compress(blocks, state, seq.num_computed)
+
+    def _computed(self, seq: Sequence, count: int) -> None:
+        seq.num_computed += count
+        blocks = seq.blocks
+        # Most steps complete no block; skip building the token list unless one did.
+        if self.blocks.enable_prefix_caching and blocks.num_cached // self.config.block_size > len(blocks.hashes):
+            self.blocks.commit_full_blocks(blocks, seq.token_ids(), seq.request.extra_keys)
+
+    def _sample_and_append(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                           outputs: list[RequestOutput]) -> None:
+        plain, plain_rows, spec, spec_rows = [], [], [], []
+        row = 0
+        for chunk in chunks:
+            width = chunk.num_draft + 1
+            (spec if chunk.num_draft else plain).append(chunk)
+            (spec_rows if chunk.num_draft else plain_rows).extend(range(row, row + width))
+            row += width
+        if plain:
+            rows = [SamplingRow(c.seq.params, c.seq.generator, c.seq.request.prompt_token_ids,
+                                c.seq.output_token_ids) for c in plain]
+            sampled = self.sampler(logits[plain_rows] if spec else logits, rows)
+            for chunk, token in zip(plain, sampled, strict=True):
+                outputs.append(self._append_tokens(chunk.seq, [token]))
+        if spec:
+            verified = self.spec.verify([c.seq for c in spec], logits[spec_rows])
+            for chunk, result in zip(spec, verified, strict=True):
+                rejected = chunk.num_draft - result.accepted
+                chunk.seq.blocks.lens -= rejected  # roll back the rejected drafts' KV entries
+                chunk.seq.draft, chunk.seq.draft_probs = [], None
+                self._computed(chunk.seq, chunk.num_tokens - rejected)
+                outputs.append(self._append_tokens(chunk.seq, result.tokens))
+
+    def _run_isolated(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]
+                      ) -> list[tuple[list[ScheduledChunk], StepResult]]:
+        """Run the batch; if it fails, run each sequence alone so one bad request fails alone."""
+        try:
+            return [(chunks, self.runner.execute(chunks))]
+        except Exception:
+            log.exception("a batched step failed; retrying its sequences one by one")
+        results = []
+        for chunk in chunks:
+            try:
+                results.append(([chunk], self.runner.execute([chunk])))
+            except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
+                log.exception("request %s failed", chunk.seq.request_id)
+                self._finish(chunk.seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+                outputs.append(self._output(chunk.seq))
+        return results
+
+    # ----------------------------------------------------------------- outputs
+    def _append_tokens(self, seq: Sequence, tokens: list) -> RequestOutput:
+        """Append this step's tokens (one, or several after speculation) and report them as one delta."""
+        emitted = []
+        try:
+            for token in tokens:
+                emitted.append(self._process_token(seq, token))
+                if seq.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer failure fails this request only
+            log.exception("post-processing failed for request %s", seq.request_id)
+            self._finish(seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+        return self._output(seq, "".join(emitted))
+
+    def _process_token(self, seq: Sequence, token) -> str:
+        now = time.monotonic()
+        token_id = int(token.token_id)
+        seq.output_token_ids.append(token_id)
+        self._generation_tokens_total += 1
+        self._recent.append((now, 1))
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+            self._prompt_tokens_total += seq.prompt_len
+        params = seq.params
+        if params.logprobs is not None:
+            seq.logprobs.append(self._logprob(token_id, token))
+
+        finish: FinishReason | None = None
+        if (not params.ignore_eos and token_id in self.info.eos_token_ids) or token_id in params.stop_token_ids:
+            finish = FinishReason.STOP
+            piece = ""
+        else:
+            piece = seq.detokenizer.push(token_id)
+        emit, stopped = seq.stop_matcher.feed(piece)
+        if stopped:
+            finish = FinishReason.STOP
+        elif finish is None and (len(seq.output_token_ids) >= params.max_tokens
+                                 or seq.num_tokens >= self.token_limit):
+            finish = FinishReason.LENGTH
+        if finish is not None and not stopped:
+            emit += seq.stop_matcher.feed(seq.detokenizer.flush())[0] + seq.stop_matcher.flush()
+        seq.text += emit
+        if finish is not None:
+            self._finish(seq, finish)
+        return emit
+
+    def _logprob(self, token_id: int, token) -> TokenLogprob:
+        def decode(token_id: int) -> str:  # the token's text, not its vocabulary entry ("Ġthe")
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        top = [(int(t), decode(int(t)), float(lp)) for t, lp in (token.top or [])]
+        return TokenLogprob(token_id, decode(token_id), float(token.logprob), top)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.metrics.finished_time = time.monotonic()
+        if seq.compression is not None and seq.blocks.num_entries:
+            seq.compression.observe_size(seq.blocks.num_entries, seq.num_computed * seq.blocks.lens.size)
+        self.scheduler.remove(seq)
+        self.spec.release(seq)
+        self._sequences.pop(seq.request_id, None)
+        self._finished_total += 1
+        ttft = seq.metrics.ttft_s
+        if ttft is not None:
+            self._ttft_sum += ttft
+            self._ttft_count += 1
+        tpot = seq.metrics.time_per_output_token_s(len(seq.output_token_ids))
+        if tpot is not None:
+            self._tpot_sum += tpot
+            self._tpot_count += 1
+
+    def _output(self, seq: Sequence, delta_text: str = "") -> RequestOutput:
+        new_ids = seq.output_token_ids[seq.emitted_tokens:]
+        seq.emitted_tokens = len(seq.output_token_ids)
+        logprobs = all_logprobs = None
+        if seq.params.logprobs is not None:
+            all_logprobs = list(seq.logprobs)
+            logprobs = all_logprobs[len(all_logprobs) - len(new_ids):]
+        return RequestOutput(
+            request_id=seq.request_id,
+            delta_text=delta_text,
+            delta_token_ids=new_ids,
+            text=seq.text,
+            token_ids=list(seq.output_token_ids),
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            usage=Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_prompt_tokens or 0,
+                        completion_tokens=len(seq.output_token_ids)),
+            metrics=seq.metrics,
+            logprobs=logprobs,
+            all_logprobs=all_logprobs,
+            speculation=seq.spec_stats.as_dict() if seq.spec_stats.proposed else None,
+            kv_compression=self._compression_report(seq),
+            error=seq.error,
+        )
+
+    @staticmethod
+    def _compression_report(seq: Sequence) -> dict | None:
+        state = seq.compression
+        if state is None:
+            return None
+        if seq.blocks.num_entries:  # while it runs; a finished sequence keeps what it held last
+            state.observe_size(seq.blocks.num_entries, seq.num_computed * seq.blocks.lens.size)
+        return {**state.settings.as_dict(), **state.stats.as_dict()}
+
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Next-token logits at every position of token_ids, fp32 [T, vocab], through the paged cache.
+
+        The prompt is computed in chunks of chunk_size tokens (default: the step token budget), exactly as
+        chunked prefill runs it. For evaluation and tests; call it while the engine is otherwise idle.
+        """
+        request = GenerationRequest(prompt_token_ids=list(token_ids), params=SamplingParams(max_tokens=1))
+        self.validate(request)
+        seq = Sequence(request=request, blocks=self.blocks.new_sequence(), generator=None,
+                       detokenizer=None, stop_matcher=None)
+        size = chunk_size or self.config.max_num_batched_tokens
+        pieces = []
+        try:
+            while seq.num_computed < seq.num_tokens:
+                count = min(size, seq.num_tokens - seq.num_computed)
+                if not self.blocks.allocate(seq.blocks, count):
+                    raise PromptTooLongError("not enough free KV blocks to score this prompt",
+                                             prompt_tokens=seq.num_tokens, limit=self.token_limit - 1)
+                pieces.append(self.runner.execute_all_logits(ScheduledChunk(seq, count)))
+                seq.num_computed += count
+        finally:
+            self.blocks.free(seq.blocks)
+        return torch.cat(pieces)
+
+    # ----------------------------------------------------------------- metrics
+    def metrics(self) -> EngineMetrics:
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - 10.0:
+            self._recent.popleft()
+        window = (now - self._recent[0][0]) if self._recent else 0.0
+        recent_tokens = sum(n for _, n in self._recent)
+        total, free = self.blocks.num_blocks, self.blocks.num_free_blocks
+        spec = self.spec.stats.as_dict()
+        return EngineMetrics(
+            queue_depth=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_total=total,
+            kv_blocks_free=free,
+            kv_usage=(total - free) / total if total else 0.0,
+            prefix_cache_hit_rate=self.blocks.hit_rate,
+            prefix_cache_hit_tokens=self.blocks.hit_tokens,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            requests_finished_total=self._finished_total,
+            preemptions_total=self._preemptions_total,
+            ttft_s_avg=self._ttft_sum / self._ttft_count if self._ttft_count else None,
+            tpot_s_avg=self._tpot_sum / self._tpot_count if self._tpot_count else None,
+            tokens_per_s=recent_tokens / window if window > 0 else 0.0,
+            spec_proposed=spec["proposed"],
+            spec_accepted=spec["accepted"],
+            spec_acceptance_rate=spec["acceptance_rate"],
+            spec_mean_accepted_length=spec["mean_accepted_length"],
+            spec_per_position_acceptance=spec["per_position_acceptance"],
+            kv_compressions_total=self.compressor.stats.compressions,
+            kv_evicted_entries_total=self.compressor.stats.evicted_entries,
+            kv_freed_blocks_total=self.compressor.stats.freed_blocks,
+        )

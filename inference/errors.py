@@ -1,0 +1,30 @@
+"""Errors the engine raises. The control plane maps each to an HTTP status and an API error code."""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request itself is wrong (bad sampling value, empty prompt, ...): a 4xx, never retried."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt plus the requested output does not fit the model's context window or the KV cache."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class ModelNotFoundError(EngineError, LookupError):
+    """No bundled model by that name is installed and no checkpoint directory exists at that path."""
+
+
+class EngineOverloadedError(EngineError):
+    """The engine cannot take more work now (queue full); the caller may retry later."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped after an internal failure; no further requests are served."""

@@ -1,0 +1,1 @@
+"""Evaluations Hearth ships and generates itself."""

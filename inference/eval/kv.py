@@ -1,0 +1,228 @@
+"""Long-context quality under KV compression: a self-generated evaluation (no downloads).
+
+    python -m inference.eval.kv [--model NAME] [--items N] [--rates 1,2,4,...] [--methods variable,uniform,recent]
+                                [--lengths 1000,2000,4000] [--short] [--json FILE]
+
+Items are built from a seeded generator: filler prose with facts planted at random depths.
+- lookup: several "access code" key-value pairs; the question asks for one of them.
+- needle: several "secret word" needles; the question asks for one.
+- multi: the question asks for two of the key-value pairs at once; the answer needs both.
+A QA item scores 1 when every expected string appears in the greedy answer. Agreement items ask for a free
+continuation of a long document; their score is the fraction of the full-cache output reproduced before the
+first differing token.
+
+Every item is prefilled once with the full cache; each (method, rate) run then reuses that prefill through the
+prefix cache (recomputing only the final observation window) and compresses right after it, so a sweep costs
+little more than decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from inference import LLM, EngineConfig, GenerationRequest, SamplingParams
+from inference.compression import EvictionMethod, KVCompressionSettings
+
+DEFAULT_MODEL = "@hearth/qwen2.5-coder-0.5b-instruct"
+RATES = (1, 2, 4, 8, 16, 32, 64)
+METHODS = (EvictionMethod.VARIABLE, EvictionMethod.UNIFORM, EvictionMethod.RECENT)
+
+_FIRST = ["Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiroshi", "Ingrid", "Jonas", "Kavya",
+          "Lorenzo", "Mariam", "Nils", "Olga", "Pedro", "Quentin", "Rosa", "Samir", "Tove", "Ugo", "Vera", "Wanda",
+          "Xavier", "Yusuf", "Zofia"]
+_LAST = ["Moreno", "Lindqvist", "Okafor", "Brandt", "Castillo", "Novak", "Haddad", "Ferreira", "Kowalski",
+         "Tanaka", "Dubois", "Rossi", "Sato", "Jensen", "Petrov", "Nakamura"]
+_COLORS = ["red", "green", "blue", "amber", "violet", "silver", "golden", "black", "white", "crimson", "teal"]
+_WORDS = ["lantern", "harbor", "meadow", "copper", "falcon", "glacier", "orchid", "saffron", "thimble", "walnut",
+          "quartz", "tundra", "marble", "cobalt", "juniper", "pebble"]
+_ADJ = ["quiet", "old", "narrow", "busy", "distant", "bright", "crowded", "small", "ancient", "windy", "green"]
+_NOUN = ["market", "river", "library", "bridge", "garden", "station", "village", "harbor", "museum", "valley"]
+_VERB = ["overlooks", "borders", "faces", "surrounds", "leads to", "hides", "connects", "shelters"]
+_EXTRA = ["Visitors often stop there in the morning.", "The weather changed quickly that year.",
+          "Nobody remembers when it was first built.", "Local guides tell many stories about it.",
+          "It was repainted after the long winter.", "Children play there on weekend afternoons."]
+
+
+@dataclass(slots=True)
+class Item:
+    kind: str  # lookup | needle | multi | agreement
+    context_tokens: int
+    messages: list[dict]
+    expected: list[str] = field(default_factory=list)
+
+
+def _filler(rng: random.Random) -> str:
+    sentence = (f"The {rng.choice(_ADJ)} {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_ADJ)} "
+                f"{rng.choice(_NOUN)}.")
+    return sentence + (" " + rng.choice(_EXTRA) if rng.random() < 0.4 else "")
+
+
+def _document(rng: random.Random, facts: list[str], target_tokens: int, count_tokens) -> str:
+    """Filler prose of about target_tokens tokens with the facts planted at random depths."""
+    sentences: list[str] = []
+    while count_tokens(" ".join(sentences)) < target_tokens:
+        sentences.extend(_filler(rng) for _ in range(20))
+    for fact in facts:
+        sentences.insert(rng.randrange(len(sentences) + 1), fact)
+    return " ".join(sentences)
+
+
+def build_items(count: int, lengths: Sequence[int], count_tokens, seed: int = 0,
+                kinds: Sequence[str] = ("lookup", "needle", "multi", "agreement")) -> list[Item]:
+    rng = random.Random(seed)
+    items = []
+    for n in range(count):
+        kind, length = kinds[n % len(kinds)], lengths[(n // len(kinds)) % len(lengths)]
+        people = rng.sample([f"{a} {b}" for a in _FIRST for b in _LAST], 5)
+        if kind == "lookup":
+            codes = [str(rng.randrange(10000, 99999)) for _ in people]
+            facts = [f"The access code for {p} is {c}." for p, c in zip(people, codes, strict=True)]
+            ask = rng.randrange(len(people))
+            question = f"What is the access code for {people[ask]}? Answer with the number only."
+            expected = [codes[ask]]
+        elif kind == "needle":
+            colors = rng.sample(_COLORS, 4)
+            words = rng.sample(_WORDS, 4)
+            facts = [f"Remember this: the secret word for the {c} vault is {w}." for c, w in zip(colors, words,
+                                                                                                 strict=True)]
+            ask = rng.randrange(len(colors))
+            question = f"What is the secret word for the {colors[ask]} vault? Answer with the word only."
+            expected = [words[ask]]
+        elif kind == "multi":
+            codes = [str(rng.randrange(10000, 99999)) for _ in people]
+            facts = [f"The access code for {p} is {c}." for p, c in zip(people, codes, strict=True)]
+            first, second = rng.sample(range(len(people)), 2)
+            question = (f"What are the access codes for {people[first]} and for {people[second]}? "
+                        "Answer with the two numbers only.")
+            expected = [codes[first], codes[second]]
+        else:
+            facts, expected = [], []
+            question = "Continue this document with one more paragraph in the same style."
+        text = _document(rng, facts, length, count_tokens)
+        items.append(Item(kind, length, [{"role": "user", "content": f"{text}\n\n{question}"}], expected))
+    return items
+
+
+def _score(item: Item, text: str) -> float:
+    lower = text.lower()
+    return float(all(e.lower() in lower for e in item.expected))
+
+
+def _agreement(reference: list[int], tokens: list[int]) -> float:
+    same = 0
+    for a, b in zip(reference, tokens, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same / len(reference) if reference else 1.0
+
+
+def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Sequence[EvictionMethod],
+             qa_tokens: int = 20, agreement_tokens: int = 64, progress: bool = False) -> dict:
+    """Scores per (method, rate); rate 1 is the full cache."""
+    engine = llm.engine
+    results: dict[tuple[str, float], list[float]] = {}
+    achieved: dict[tuple[str, float], list[float]] = {}
+    for number, item in enumerate(items):
+        ids = llm.encode(messages=item.messages)
+        agreement = item.kind == "agreement"
+        params = SamplingParams(max_tokens=agreement_tokens if agreement else qa_tokens, temperature=0.0,
+                                ignore_eos=agreement)
+        configs: list[tuple[str, float, KVCompressionSettings | None]] = [("full", 1.0, None)]
+        configs += [(m.value, float(r), KVCompressionSettings(rate=float(r), method=m))
+                    for m in methods for r in rates if r > 1]
+        # The full-cache run goes first, alone, so every compressed run finds the prompt in the prefix cache.
+        outputs = _run(engine, [GenerationRequest(ids, params, kv_compression=KVCompressionSettings(rate=1))])
+        outputs += _run(engine, [GenerationRequest(ids, params, kv_compression=c) for _, _, c in configs[1:]])
+        reference = outputs[0].token_ids
+        for (method, rate, _), out in zip(configs, outputs, strict=True):
+            value = _agreement(reference, out.token_ids) if agreement else _score(item, out.text)
+            for key in ((method, rate),) if method != "full" else [(m.value, 1.0) for m in methods]:
+                results.setdefault(key, []).append(value)
+            if out.kv_compression and out.kv_compression.get("achieved_rate"):
+                achieved.setdefault((method, rate), []).append(out.kv_compression["achieved_rate"])
+        if progress:
+            print(f"item {number + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): full-cache "
+                  f"{'agreement' if agreement else 'score'} {results[(methods[0].value, 1.0)][-1]:.0f}",
+                  file=sys.stderr, flush=True)
+    kinds = sorted({i.kind for i in items})
+    table = []
+    for method in methods:
+        for rate in rates:
+            key = (method.value, float(rate))
+            row = {"method": method.value, "rate": float(rate),
+                   "qa": _mean([v for v, i in zip(results[key], items, strict=True) if i.kind != "agreement"]),
+                   "agreement": _mean([v for v, i in zip(results[key], items, strict=True)
+                                       if i.kind == "agreement"]),
+                   "achieved_rate": _mean(achieved.get(key, [])) if rate > 1 else 1.0}
+            for kind in kinds:
+                row[kind] = _mean([v for v, i in zip(results[key], items, strict=True) if i.kind == kind])
+            table.append(row)
+    return {"items": len(items), "kinds": kinds, "rows": table}
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _run(engine, requests: list[GenerationRequest]) -> list:
+    for request in requests:
+        engine.add_request(request)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[r.request_id] for r in requests]
+
+
+def markdown(result: dict) -> str:
+    lines = ["| method | rate | achieved | QA score | " + " | ".join(result["kinds"]) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in result["kinds"]) + " |"]
+    full = {r["method"]: r["qa"] for r in result["rows"] if r["rate"] == 1.0}
+    for r in result["rows"]:
+        rel = f" ({r['qa'] / full[r['method']]:.0%} of full)" if full.get(r["method"]) else ""
+        cells = " | ".join("–" if r[k] is None else f"{r[k]:.2f}" for k in result["kinds"])
+        lines.append(f"| {r['method']} | {r['rate']:g}× | {r['achieved_rate'] or 0:.1f}× | "
+                     f"{r['qa']:.2f}{rel} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--items", type=int, default=24)
+    parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
+    parser.add_argument("--methods", default=",".join(m.value for m in METHODS))
+    parser.add_argument("--lengths", default="1000,2000,3000,4000")
+    parser.add_argument("--short", action="store_true", help="a quick run: 4 items of 1000 tokens, rates 1, 8")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.short:
+        args.items, lengths, rates = 4, [1000], [1.0, 8.0]
+    methods = [EvictionMethod(m) for m in args.methods.split(",")]
+    llm = LLM(args.model, EngineConfig(dtype=args.dtype, kv_cache_memory="2GiB", max_num_batched_tokens=2048,
+                                       kv_min_prompt_tokens=128))
+    items = build_items(args.items, lengths, lambda text: len(llm.tokenizer.encode(text)), seed=args.seed)
+    start = time.perf_counter()
+    result = evaluate(llm, items, rates, methods, progress=True)
+    result["seconds"] = time.perf_counter() - start
+    result["model"] = args.model
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""Our own forward pass for decoder-only transformers (Llama, Qwen2, Gemma 3) over the paged KV cache.
+
+Weights come from the Hugging Face checkpoint; q/k/v and gate/up projections are fused into one matrix each
+so a layer is five matmuls. Architectures differ only in the switches of ArchSpec.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from inference.batch import AttentionBatch, DecodeGroup
+from inference.kv_cache import KVPool
+from inference.models import layers
+from kernels import kv_compress as kc
+from kernels import paged_attention as pa
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: bool = False  # Gemma's RMSNorm scales by (1 + w)
+    sandwich_norms: bool = False  # Gemma's extra norms after attention and around the MLP
+    embed_scale: bool = False  # Gemma multiplies embeddings by sqrt(hidden)
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(),
+    "mistral": ArchSpec(),
+    "qwen2": ArchSpec(qkv_bias=True),
+    "qwen3": ArchSpec(qk_norm=True),
+    "gemma3_text": ArchSpec(qk_norm=True, norm_offset=True, sandwich_norms=True, embed_scale=True),
+    "gemma3": ArchSpec(qk_norm=True, norm_offset=True, sandwich_norms=True, embed_scale=True),
+}
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    qkv: layers.Linear
+    o: layers.Linear
+    gate_up: layers.Linear
+    down: layers.Linear
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    pre_ffn_norm: torch.Tensor | None
+    post_ffn_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    sliding_window: int | None
+    rope: layers.RotaryTable
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@dataclass(frozen=True, slots=True)
+class TritonKernels:
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., torch.Tensor]
+    received: Callable[..., torch.Tensor]
+
+
+def triton_kernels(device: torch.device) -> TritonKernels | None:
+    """The Triton attention kernels on CUDA, None (the torch references) elsewhere.
+
+    HEARTH_ATTENTION=triton forces the kernels (on CPU only meaningful under TRITON_INTERPRET=1, for tests);
+    HEARTH_ATTENTION=torch forces the references.
+    """
+    choice = os.environ.get("HEARTH_ATTENTION", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"HEARTH_ATTENTION must be auto, torch or triton, got {choice!r}")
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return None
+    from kernels import triton_kv_compress, triton_paged_attention
+
+    if not triton_paged_attention.available():
+        if choice == "triton":
+            raise RuntimeError("HEARTH_ATTENTION=triton but Triton is not installed")
+        return None
+    return TritonKernels(decode=triton_paged_attention.paged_decode_attention,
+                         prefill=triton_paged_attention.paged_prefill_attention,
+                         received=triton_kv_compress.decode_received_attention)
+
+
+class DecoderLM:
+    """Holds the weights and runs one step's tokens through the model."""
+
+    def __init__(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        config = text_config(config)
+        self.config = config
+        self.model_type = config.model_type
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.model_type!r}; supported: {sorted(ARCHITECTURES)}")
+        self.spec = ARCHITECTURES[self.model_type]
+        self.dtype, self.device = dtype, device
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.hidden_size = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.act = layers.ACTIVATIONS[getattr(config, "hidden_act", None)
+                                      or getattr(config, "hidden_activation", "silu")]
+        pre_scalar = getattr(config, "query_pre_attn_scalar", None)
+        self.scale = pre_scalar ** -0.5 if pre_scalar else layers.default_attention_scale(self.head_dim)
+        self.attn_softcap = getattr(config, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.triton = triton_kernels(device)
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=dtype)
+
+        prefix = "model." if "model.embed_tokens.weight" in tensors else ""
+        self.embed = get(f"{prefix}embed_tokens.weight")
+        self.final_norm = get(f"{prefix}norm.weight")
+        # The plain (unpacked) head matrix is kept for heads over part of the vocabulary (a draft model's).
+        self.head_weight = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed
+        self.lm_head = layers.Linear(self.head_weight)
+        self.embed_scale = (torch.tensor(math.sqrt(self.hidden_size), dtype=dtype)
+                            if self.spec.embed_scale else None)
+
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
+        tables: dict[str | None, layers.RotaryTable] = {}
+        self.layers: list[LayerWeights] = []
+        for i in range(self.num_layers):
+            p = f"{prefix}layers.{i}."
+            kind = layer_types[i]
+            rope_key = kind if kind in (getattr(config, "rope_parameters", None) or {}) else None
+            if rope_key not in tables:
+                inv_freq, scaling = layers.rope_inverse_frequencies(config, self.head_dim, rope_key)
+                tables[rope_key] = layers.RotaryTable(inv_freq, scaling, max_positions, dtype, device)
+            attn, mlp = p + "self_attn.", p + "mlp."
+            has_bias = self.spec.qkv_bias or f"{attn}q_proj.bias" in tensors
+            self.layers.append(LayerWeights(
+                qkv=layers.Linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]),
+                                  torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if has_bias else None),
+                o=layers.Linear(get(attn + "o_proj.weight")),
+                gate_up=layers.Linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])),
+                down=layers.Linear(get(mlp + "down_proj.weight")),
+                input_norm=get(p + "input_layernorm.weight"),
+                post_attn_norm=get(p + "post_attention_layernorm.weight"),
+                pre_ffn_norm=get(p + "pre_feedforward_layernorm.weight") if self.spec.sandwich_norms else None,
+                post_ffn_norm=get(p + "post_feedforward_layernorm.weight") if self.spec.sandwich_norms else None,
+                q_norm=get(attn + "q_norm.weight") if self.spec.qk_norm else None,
+                k_norm=get(attn + "k_norm.weight") if self.spec.qk_norm else None,
+                sliding_window=(getattr(config, "sliding_window", None)
+                                if kind == "sliding_attention" else None),
+                rope=tables[rope_key],
+            ))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    # ------------------------------------------------------------------ forward
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return layers.rms_norm(x, weight, self.eps, offset=self.spec.norm_offset)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVPool) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden] (normed)."""
+        h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        for index, layer in enumerate(self.layers):
+            x = self._norm(h, layer.input_norm)
+            x = self._attention(index, layer, x, batch, kv)
+            if layer.pre_ffn_norm is not None:
+                h = h + self._norm(x, layer.post_attn_norm)
+                x = self._norm(h, layer.pre_ffn_norm)
+            else:
+                h = h + x
+                x = self._norm(h, layer.post_attn_norm)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            x = layer.down(self.act(gate) * up)
+            if layer.post_ffn_norm is not None:
+                x = self._norm(x, layer.post_ffn_norm)
+            h = h + x
+        return self._norm(h, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
+        return self.finish_logits(self.lm_head(hidden))
+
+    def finish_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Raw head outputs (any subset of the vocabulary) -> fp32 logits, soft-capped where the model caps."""
+        out = out.float()
+        if self.final_softcap:
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out
+
+    @staticmethod
+    def _rope_rows(table: layers.RotaryTable, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("rope", id(table))
+        if key not in batch.memo:
+            batch.memo[key] = table.rows(batch.positions)
+        return batch.memo[key]
+
+    @staticmethod
+    def _decode_mask(index: int, window: int | None, group: DecodeGroup, tables: torch.Tensor,
+                     batch: AttentionBatch, kv: KVPool) -> torch.Tensor:
+        positions = batch.positions[group.start: group.end]
+        lens = group.kv_lens[index]
+        if not batch.dense:
+            return pa.decode_mask(kv.pos, tables, lens, positions, window)
+        key = ("decode_mask", group.start, window)
+        if key not in batch.memo:
+            width = tables.shape[-1] * kv.k.shape[1]
+            batch.memo[key] = pa.dense_decode_mask(lens[:, 0], positions, width, window)
+        return batch.memo[key]
+
+    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor,
+                   batch: AttentionBatch, kv: KVPool) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = layer.qkv(x)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            qk = torch.cat([self._norm(qk[:, : self.num_heads], layer.q_norm),
+                            self._norm(qk[:, self.num_heads:], layer.k_norm)], dim=1)
+        # q and k rotate together: one pass over both instead of one per tensor.
+        cos, sin = self._rope_rows(layer.rope, batch)
+        qk = layer.rope.apply(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        pa.write_kv(kv.k, kv.v, kv.pos, batch.slots[index], k, v, batch.positions)
+
+        out = torch.empty_like(q)
+        window, softcap = layer.sliding_window, self.attn_softcap
+        for group in batch.decode_groups:
+            tables = group.block_tables[index]
+            rows, lens = slice(group.start, group.end), group.kv_lens[index]
+            if self.triton is not None:
+                out[rows] = self.triton.decode(q[rows], kv.k, kv.v, kv.pos, tables, lens, batch.positions[rows],
+                                               self.scale, window, softcap)
+            else:
+                out[rows] = pa.paged_decode_attention_ref(
+                    q[rows], kv.k, kv.v, tables, self._decode_mask(index, window, group, tables, batch, kv),
+                    self.scale, softcap)
+            if group.observers is not None:
+                if self.triton is not None:
+                    received = self.triton.received(q[rows], kv.k, kv.pos, tables, lens, batch.positions[rows],
+                                                    self.scale, window, softcap)
+                else:
+                    received = kc.decode_received_attention_ref(
+                        q[rows], kv.k, tables, self._decode_mask(index, window, group, tables, batch, kv),
+                        self.scale, softcap)
+                for row, observer in enumerate(group.observers):
+                    if observer is not None:
+                        observer.add(index, received[row])
+        for seg in batch.prefills:
+            s, e = seg.start, seg.end
+            if seg.observer is not None:
+                o = e - seg.observe
+                seg.observer.add(index, kc.prefill_received_attention_ref(
+                    q[o:e], kv.k, kv.pos, seg.block_table[index], seg.kv_lens[index], batch.positions[o:e],
+                    self.scale, window, softcap))
+            if seg.fresh:
+                out[s:e] = pa.causal_attention_ref(q[s:e], k[s:e], v[s:e], batch.positions[s:e],
+                                                   self.scale, window, softcap)
+            else:
+                extend = self.triton.prefill if self.triton is not None else pa.paged_prefill_attention_ref
+                out[s:e] = extend(q[s:e], kv.k, kv.v, kv.pos, seg.block_table[index], seg.kv_lens[index],
+                                  batch.positions[s:e], self.scale, window, softcap)
+        return layer.o(out.view(tokens, self.q_size))

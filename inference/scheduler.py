@@ -1,0 +1,168 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes.
+
+Each step:
+1. Running sequences, best priority and oldest first, get the tokens they still need (1 when decoding, a
+   chunk of the prompt while prefilling) from the step's token budget. When blocks run out, the newest
+   sequence of the worst priority class is preempted: its blocks are released (its full blocks stay in the
+   prefix cache) and it waits to be recomputed.
+2. Waiting sequences are admitted in (priority, arrival) order while budget, sequence slots and blocks last.
+   On first admission a sequence adopts the longest cached prefix of its prompt.
+
+While an interactive request has prompt tokens to compute, batch-class sequences sit the step out: the step
+then costs what the interactive prefill costs, so time to first token stays near idle however many batch
+sequences are decoding. They resume at the next step; interactive decodes alone never pause them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from inference.block_manager import BlockManager
+from inference.sequence import Priority, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step, starting at seq.num_computed (draft tokens included)
+    num_draft: int = 0  # the last num_draft of them are speculative, to be verified
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk every known token is computed, so the step samples a new token."""
+        return self.seq.num_computed + self.num_tokens - self.num_draft == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+def _prompt_chunk(seq: Sequence, budget: int) -> int:
+    """Tokens of a prompt to compute this step: all that fit, but never leave a final chunk shorter than the
+    sequence needs (KV compression observes its final queries), unless the whole rest fits now."""
+    rest = seq.num_uncomputed
+    if rest <= budget:
+        return rest
+    keep_for_last = min(seq.final_chunk_min, rest)
+    return max(1, min(budget, rest - keep_for_last)) if rest - budget < keep_for_last else budget
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_batch_class_seqs: int | None = None) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_batch_class_seqs = max_batch_class_seqs
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival)
+
+    # ----------------------------------------------------------------- queue
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.blocks)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------- step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        hold_batch = self._interactive_prefill_pending()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if hold_batch and seq.priority is Priority.BATCH:
+                index += 1
+                continue
+            want = _prompt_chunk(seq, budget) if seq.num_uncomputed > 1 else min(1 + len(seq.draft), budget)
+            if want < seq.num_uncomputed + len(seq.draft):  # the budget cuts the draft short
+                seq.draft = seq.draft[: max(0, want - seq.num_uncomputed)]
+            while not self.blocks.allocate(seq.blocks, want):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            out.chunks.append(ScheduledChunk(seq, want, len(seq.draft)))
+            scheduled.add(id(seq))
+            budget -= want
+            index += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._next_admissible()
+            if seq is None or (hold_batch and seq.priority is Priority.BATCH):
+                break
+            if seq.num_computed == 0 and seq.blocks.num_columns == 0:
+                reused = self.blocks.match_prefix(seq.blocks, seq.token_ids(), seq.request.extra_keys,
+                                                  min_uncached=seq.final_chunk_min)
+                seq.num_computed = reused
+                if seq.cached_prompt_tokens is None:
+                    seq.cached_prompt_tokens = min(reused, seq.prompt_len)
+            want = _prompt_chunk(seq, budget)
+            if not self.blocks.allocate(seq.blocks, want):
+                # Keep FCFS: nobody jumps the queue head. Give back what it adopted so it can be evicted.
+                self.blocks.free(seq.blocks)
+                seq.num_computed = 0
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.chunks.append(ScheduledChunk(seq, want))
+            budget -= want
+        return out
+
+    def _interactive_prefill_pending(self) -> bool:
+        """An interactive prompt will be computed this step. A waiting one counts only if it can be admitted now:
+        holding batch work for one that cannot would stall the very sequences whose blocks it waits for."""
+        if any(s.priority is Priority.INTERACTIVE and s.num_uncomputed > 1 for s in self.running):
+            return True
+        head = self.waiting[0] if self.waiting else None
+        if head is None or head.priority is not Priority.INTERACTIVE or len(self.running) >= self.max_num_seqs:
+            return False
+        first_chunk = min(head.num_uncomputed, self.max_num_batched_tokens)
+        return self.blocks.num_free_blocks >= self.blocks.blocks_for_tokens(first_chunk)
+
+    def _next_admissible(self) -> Sequence | None:
+        cap = self.max_batch_class_seqs
+        if cap is None:
+            return self.waiting[0]
+        batch_running = sum(1 for s in self.running if s.priority is Priority.BATCH)
+        for seq in self.waiting:
+            if seq.priority is Priority.BATCH and batch_running >= cap:
+                continue
+            return seq
+        return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute later: drop the KV (full blocks stay cached) and requeue in arrival order."""
+        self.running.remove(seq)
+        self.blocks.free(seq.blocks)
+        seq.num_computed = 0
+        seq.draft, seq.draft_probs = [], None
+        seq.metrics.preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)

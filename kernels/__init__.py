@@ -1,0 +1,1 @@
+"""Attention and cache kernels. Each op has a pure-torch reference; Triton versions sit beside their reference."""

@@ -1,0 +1,268 @@
+"""Execution guarantees on the real database, broker and engine: claims are exclusive, results are written once,
+lost messages come back, a busy engine means waiting (never failing), expiry, retention and pricing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from asgiref.sync import async_to_sync
+from cp_support import CHAT_MODEL
+from django.test import override_settings
+from django.utils import timezone
+
+from controlplane.accounts.services import authenticate_key
+from controlplane.batches import events, maintenance, services, tasks
+from controlplane.batches.models import Batch, File, Item
+from controlplane.catalog.models import AiModel
+from controlplane.catalog.services import get_model, set_price
+from controlplane.celery import app
+from controlplane.usage.models import Source, UsageEvent
+from controlplane.usage.services import UsageRecord, record
+
+ALL = ("completed", "failed", "expired", "cancelled")
+
+
+def native_batch(tenant, count: int, *, max_tokens: int = 2, prompt: str = "Say hi.") -> Batch:
+    ctx = authenticate_key(tenant.secret)
+    return services.create_native_batch(ctx, CHAT_MODEL, [
+        (f"r{i}", {"prompt": f"{prompt} ({i})", "max_tokens": max_tokens, "temperature": 0}) for i in range(count)])
+
+
+def wait_batch(batch_id: str, statuses=ALL, timeout: float = 120.0) -> Batch:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = Batch.objects.get(pk=batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------- no engine needed
+@pytest.mark.django_db
+def test_claims_are_exclusive_and_a_result_is_written_once(tenant):
+    batch = native_batch(tenant, 2)
+    first, second = Item.objects.filter(batch=batch).order_by("index")
+    a = services.claim(first.pk)
+    assert a.claim is not None and a.wait_s is None
+    # A second delivery while the lease is live waits instead of running it again (or dropping it).
+    again = services.claim(first.pk)
+    assert again.claim is None and 0 < again.wait_s <= 60
+    # The holder dies: its lease runs out and another worker takes the item over.
+    Item.objects.filter(pk=first.pk).update(lease_until=timezone.now() - timedelta(seconds=1))
+    b = services.claim(first.pk)
+    assert b.claim is not None and b.claim.token != a.claim.token
+    usage = UsageRecord(account_id=tenant.account.pk, key_id=str(tenant.key.pk), model=CHAT_MODEL,
+                        route="native", source=Source.BATCH, input_tokens=5, output_tokens=2)
+    # The old holder comes back with its answer: refused, nothing counted or metered.
+    stale = services.Outcome(Item.Status.SUCCEEDED, response={"response": "old"}, usage=usage)
+    assert services.finish(a.claim, stale) is False
+    fresh = services.Outcome(Item.Status.SUCCEEDED, response={"response": "new"}, usage=usage)
+    assert services.finish(b.claim, fresh) is True
+    assert services.finish(b.claim, fresh) is False  # and a replay of the winner's write too
+    item = Item.objects.get(pk=first.pk)
+    assert (item.status, item.response, item.attempts, item.output_tokens) == ("succeeded", {"response": "new"},
+                                                                              2, 2)
+    assert UsageEvent.objects.filter(source=Source.BATCH).count() == 1
+    assert services.claim(first.pk) == services.ClaimResult()  # done: nothing to run, nothing to wait for
+    batch.refresh_from_db()
+    assert (batch.completed_count, batch.pending_count, batch.status) == (1, 1, "in_progress")
+    # A busy engine gives the item back without counting an attempt.
+    c = services.claim(second.pk).claim
+    services.release(c)
+    assert Item.objects.get(pk=second.pk).attempts == 0 and services.claim(second.pk).claim is not None
+
+
+@pytest.mark.django_db
+def test_an_item_that_keeps_dying_fails_after_max_attempts(tenant, settings):
+    settings.HEARTH_BATCH_MAX_ATTEMPTS = 2
+    batch = native_batch(tenant, 1)
+    item = Item.objects.get(batch=batch)
+    for _ in range(2):
+        assert services.claim(item.pk).claim is not None
+        Item.objects.filter(pk=item.pk).update(lease_until=timezone.now() - timedelta(seconds=1))
+    assert services.claim(item.pk) == services.ClaimResult()
+    item.refresh_from_db()
+    assert item.status == "failed" and "2 times" in item.error["message"]
+    assert Batch.objects.get(pk=batch.pk).status == "completed"
+
+
+@pytest.mark.django_db
+def test_expiry_window_ends_unstarted_requests(client, tenant):
+    from controlplane.batches.models import File as BatchFile
+
+    lines = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "x"}]}})
+                     .encode() + b"\n" for i in range(3))
+    source = BatchFile.objects.create(account=tenant.account, purpose="batch", filename="in.jsonl",
+                                      bytes=len(lines), content=lines)
+    ctx = authenticate_key(tenant.secret)
+    batch = services.create_openai_batch(ctx, input_file_id=source.pk, endpoint="/v1/chat/completions",
+                                         completion_window="1h")
+    services.prepare(batch.pk)
+    assert Batch.objects.get(pk=batch.pk).status == "in_progress"
+    assert maintenance.sweep()["expired"] == 0  # not due yet
+    later = timezone.now() + timedelta(hours=1, seconds=1)
+    assert maintenance.sweep(later)["expired"] == 1
+    done = client.get(f"/v1/batches/{batch.pk}", **tenant.auth).json()
+    assert done["status"] == "expired" and done["expired_at"] is not None and done["output_file_id"] is None
+    errors = [json.loads(x) for x in bytes(File.objects.get(pk=done["error_file_id"]).content).splitlines()]
+    assert [e["custom_id"] for e in errors] == ["c0", "c1", "c2"]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
+
+
+@pytest.mark.django_db
+def test_cleanup_task_removes_results_after_retention(client, tenant, settings):
+    settings.HEARTH_BATCH_RETENTION_HOURS = 24
+    now = timezone.now()
+    old, recent = native_batch(tenant, 2), native_batch(tenant, 1)
+    kept_input = File.objects.create(account=tenant.account, purpose="batch", filename="a.jsonl", content=b"x")
+    gone_input = File.objects.create(account=tenant.account, purpose="batch", filename="b.jsonl", content=b"x",
+                                     expires_at=now - timedelta(seconds=1))
+    out = File.objects.create(account=tenant.account, purpose="batch_output", filename="o.jsonl", content=b"{}")
+    Batch.objects.filter(pk=old.pk).update(status="completed", finished_at=now - timedelta(hours=25), output_file=out)
+    Batch.objects.filter(pk=recent.pk).update(status="completed", finished_at=now - timedelta(hours=23))
+    assert "batches.cleanup" in {entry["task"] for entry in app.conf.beat_schedule.values()}
+
+    assert tasks.cleanup() == {"batches": 1, "items": 2, "files": 1}
+    assert not Item.objects.filter(batch=old).exists() and Item.objects.filter(batch=recent).count() == 1
+    assert not File.objects.filter(pk__in=[out.pk, gone_input.pk]).exists()
+    assert File.objects.filter(pk=kept_input.pk).exists()
+    old.refresh_from_db()
+    assert old.results_purged_at is not None and old.output_file_id is None
+    poll = client.post(f"{tenant.run_url}{CHAT_MODEL}", data=json.dumps({"request_id": old.pk}),
+                       content_type="application/json", **tenant.auth)
+    assert poll.status_code == 404 and "retention" in poll.json()["errors"][0]["message"]
+    assert tasks.cleanup() == {"batches": 0, "items": 0, "files": 0}  # idempotent
+
+
+@pytest.mark.django_db
+def test_batch_discount_from_price_row_or_setting(tenant, settings):
+    model = AiModel.objects.get(name=CHAT_MODEL)
+    usage = UsageRecord(account_id=tenant.account.pk, key_id=None, model=CHAT_MODEL, route="native",
+                        input_tokens=1000, output_tokens=500)
+    full = record(usage).neurons
+    settings.HEARTH_BATCH_DISCOUNT_PERCENT = Decimal("25")
+    batch_usage = replace(usage, source=Source.BATCH)
+    assert record(batch_usage).neurons == (full * Decimal("0.75")).quantize(Decimal("0.000001"))
+    set_price(model, input_neurons=1500, cached_input_neurons=375, output_neurons=6000,
+              batch_discount_percent=50)
+    price = get_model(CHAT_MODEL).price_at(time.time() + 1)
+    assert price.batch_discount() == 50 and price.as_json()["batch_discount_percent"] == 50.0
+    event = record(replace(batch_usage, created_at=timezone.now() + timedelta(seconds=1)))
+    assert event.neurons == (full / 2).quantize(Decimal("0.000001"))
+    assert event.cost_usd == (event.neurons * Decimal("0.011") / 1000).quantize(Decimal("0.0000000001"))
+    # Interactive usage is unaffected.
+    assert record(replace(usage, created_at=timezone.now() + timedelta(seconds=1))).neurons == full
+
+
+def test_publishing_progress_never_fails_the_work(db, tenant):
+    batch = native_batch(tenant, 1)
+    broken = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                          "CONFIG": {"hosts": ["redis://127.0.0.1:1/0"]}}}
+    with override_settings(CHANNEL_LAYERS=broken):
+        events.publish(batch)  # logs, does not raise
+
+
+# ------------------------------------------------------------------------------------- with the worker
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.real_model
+@pytest.mark.redis
+def test_sweep_resends_work_a_dead_worker_held(tenant, settings, batch_worker):
+    settings.HEARTH_BATCH_WINDOW = 0  # nothing is sent at creation: the rows look like a crash left them
+    batch = native_batch(tenant, 3)
+    past = timezone.now() - timedelta(minutes=10)
+    ids = list(Item.objects.filter(batch=batch).values_list("pk", flat=True))
+    Item.objects.filter(pk=ids[0]).update(status="running", claim_token="dead", lease_until=past, attempts=1,
+                                          dispatched_at=past)
+    Item.objects.filter(pk=ids[1]).update(dispatched_at=past)  # its message was lost
+    settings.HEARTH_BATCH_WINDOW = 40
+    counts = tasks.sweep()
+    assert counts["resent"] == 2
+    done = wait_batch(batch.pk)
+    assert (done.status, done.completed_count, done.failed_count) == ("completed", 3, 0)
+    assert Item.objects.get(pk=ids[0]).attempts == 2
+    assert UsageEvent.objects.filter(source=Source.BATCH).count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.real_model
+@pytest.mark.redis
+def test_busy_engine_means_retry_with_backoff_never_failure(tenant, batch_worker):
+    from celery.signals import task_retry
+
+    from controlplane.serving.dispatch import InProcessBackend, set_backend
+    from inference import GenerationRequest, SamplingParams
+
+    busy = InProcessBackend(settings_for=lambda model: {"kv_cache_memory": "64MiB", "max_num_seqs": 1,
+                                                        "max_queue": 1, "dtype": "float32"})
+    engine = busy.engine_sync(CHAT_MODEL)
+    retries: list[str] = []
+
+    def on_retry(sender=None, **kwargs):
+        if sender is not None and sender.name == "batches.run_item":
+            retries.append(str(kwargs.get("reason")))
+
+    task_retry.connect(on_retry, weak=False)
+    previous = set_backend(busy)
+    try:
+        # Fill the engine: one request running, one waiting (max_queue=1), for a couple of seconds.
+        ids = engine.encode(prompt="Count slowly.")
+        occupiers = [threading.Thread(target=engine.generate_blocking, args=(GenerationRequest(
+            ids, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)),), daemon=True) for _ in range(2)]
+        occupiers[0].start()
+        deadline = time.monotonic() + 30
+        while engine.metrics().running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        occupiers[1].start()
+        while engine.metrics().queue_depth < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        batch = native_batch(tenant, 2)
+        done = wait_batch(batch.pk)
+    finally:
+        set_backend(previous)
+        task_retry.disconnect(on_retry)
+        busy.shutdown()
+    assert (done.status, done.completed_count, done.failed_count) == ("completed", 2, 0)
+    assert retries  # the engine refused at least once, and the items waited instead of failing
+    assert list(Item.objects.filter(batch=batch).values_list("attempts", flat=True)) == [1, 1]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.real_model
+@pytest.mark.redis
+def test_progress_events_reach_a_subscriber_on_the_redis_channel_layer(tenant, batch_worker):
+    from channels.layers import get_channel_layer
+
+    layer_settings = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                                  "CONFIG": {"hosts": ["redis://127.0.0.1:6379/13"]}}}
+    with override_settings(CHANNEL_LAYERS=layer_settings):
+        layer = get_channel_layer()
+        channel = async_to_sync(layer.new_channel)()
+        async_to_sync(layer.group_add)(events.group_name(tenant.account.pk), channel)
+        batch = native_batch(tenant, 3)
+        wait_batch(batch.pk)
+
+        async def drain() -> list[dict]:
+            import asyncio
+
+            received = []
+            while True:
+                try:
+                    received.append(await asyncio.wait_for(layer.receive(channel), timeout=2))
+                except TimeoutError:
+                    return received
+
+        received = async_to_sync(drain)()
+    mine = [e for e in received if e["batch_id"] == batch.pk]
+    assert mine and all(e["type"] == "batch.progress" for e in mine)
+    assert [e["completed"] for e in mine] == sorted(e["completed"] for e in mine)
+    assert mine[-1]["status"] == "completed" and mine[-1]["completed"] == 3 and mine[-1]["total"] == 3

@@ -1,0 +1,249 @@
+"""The engine's behaviour through LLM / LLMEngine on a tiny random Llama (fast) and SmolLM2 (real)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference import (
+    LLM,
+    EngineConfig,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    LLMEngine,
+    Priority,
+    PromptTooLongError,
+    SamplingParams,
+)
+from tests.engine.conftest import SMOLLM, require_installed
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three colours: red,",
+    "1, 2, 3, 5, 8, 13,",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _llm(path, **kwargs) -> LLM:
+    settings = {"dtype": "float32", "kv_cache_memory": "16MiB", **kwargs}
+    return LLM(path, EngineConfig(**settings))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> list[list[int]]:
+    """Greedy outputs with caching off, a big budget and no memory pressure: what every variant must match."""
+    llm = _llm(tiny_llama, enable_prefix_caching=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_each_prompt_alone_matches_the_batch(tiny_llama, reference) -> None:
+    llm = _llm(tiny_llama)
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
+        assert llm.generate(prompt, GREEDY)[0].token_ids == expected
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_llama, reference) -> None:
+    llm = _llm(tiny_llama, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(tiny_llama, reference) -> None:
+    llm = _llm(tiny_llama, kv_cache_memory="1MiB", enable_prefix_caching=False)
+    layout = llm.engine.pool.layout
+    # Room for 7 blocks of 16 tokens per head: two or three of these sequences at a time, not all five.
+    llm = _llm(tiny_llama, kv_cache_memory=7 * layout.heads_per_token * layout.bytes_per_block,
+               enable_prefix_caching=False)
+    engine = llm.engine
+    per_token = engine.pool.layout.bytes_per_token
+    assert engine.pool.capacity_tokens < sum(len(llm.encode(p, raw=True)) + 24 for p in PROMPTS), \
+        f"the pool ({engine.pool.capacity_tokens} tokens, {per_token} B each) must be too small for all at once"
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.metrics().preemptions_total > 0
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_prefix_cache_hits_and_outputs_are_identical(tiny_llama, reference) -> None:
+    llm = _llm(tiny_llama)
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 4
+    first = llm.generate(shared + PROMPTS[0], GREEDY)[0]
+    second = llm.generate(shared + PROMPTS[1], GREEDY)[0]
+    assert first.usage.cached_tokens == 0
+    prefix_tokens = len(llm.encode(shared, raw=True))
+    assert second.usage.cached_tokens >= (prefix_tokens // 16 - 1) * 16 > 0
+    assert llm.engine.metrics().prefix_cache_hit_rate > 0
+    off = _llm(tiny_llama, enable_prefix_caching=False)
+    assert second.token_ids == off.generate(shared + PROMPTS[1], GREEDY)[0].token_ids
+    # The same prompt again is served almost entirely from cache and decodes the same.
+    again = llm.generate(shared + PROMPTS[1], GREEDY)[0]
+    assert again.token_ids == second.token_ids
+    assert again.usage.cached_tokens > second.usage.cached_tokens
+
+
+def test_max_tokens_and_finish_reasons(tiny_llama) -> None:
+    llm = _llm(tiny_llama)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason is FinishReason.LENGTH
+    first = out.token_ids[2]
+    stopped = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                      stop_token_ids=[first]))[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == out.token_ids[: out.token_ids.index(first) + 1]
+
+
+def test_stop_string_across_token_boundaries(tiny_llama) -> None:
+    llm = _llm(tiny_llama)
+    full = llm.generate(PROMPTS[2], GREEDY)[0]
+    text = full.text
+    # Pick a stop string that starts inside one token's text and ends inside a later one.
+    pieces = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    boundary = len(pieces[3])
+    stop = text[boundary - 2: boundary + 3]
+    assert len(stop) == 5 and stop in text
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                  stop=[stop]))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True))[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_mixed_sampling_parameters_in_one_batch(tiny_llama, reference) -> None:
+    llm = _llm(tiny_llama)
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.2, top_k=5, min_p=0.05, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.7, frequency_penalty=1.0, presence_penalty=0.5, seed=3,
+                       ignore_eos=True, logprobs=3),
+    ]
+    batch = llm.generate(PROMPTS, params)
+    assert batch[0].token_ids == reference[0]  # greedy is unaffected by its neighbours
+    for prompt, p, out in zip(PROMPTS, params, batch, strict=True):
+        assert len(out.token_ids) == 24
+        if p.seed is not None:  # seeded requests reproduce alone, whatever shared their batch
+            assert llm.generate(prompt, p)[0].token_ids == out.token_ids
+    assert batch[3].token_ids != reference[3]  # the penalty changed something
+    logprobs = batch[4].all_logprobs
+    assert logprobs is not None and len(logprobs) == 24
+    assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in logprobs)
+
+
+def test_seeds_differ_and_unseeded_requests_vary(tiny_llama) -> None:
+    llm = _llm(tiny_llama)
+    outs = llm.generate([PROMPTS[0]] * 3, [SamplingParams(max_tokens=16, temperature=1.5, seed=s,
+                                                          ignore_eos=True) for s in (1, 2, 1)])
+    assert outs[0].token_ids == outs[2].token_ids != outs[1].token_ids
+
+
+def test_a_bad_request_among_good_ones(tiny_llama, reference) -> None:
+    llm = _llm(tiny_llama, kv_cache_memory="2MiB")
+    engine: LLMEngine = llm.engine
+    good = [GenerationRequest(llm.encode(p, raw=True), GREEDY) for p in PROMPTS[:3]]
+    for request in good[:2]:
+        engine.add_request(request)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request(GenerationRequest([1, 2, engine.model.vocab_size + 5], GREEDY))
+    with pytest.raises(PromptTooLongError) as too_long:
+        engine.add_request(GenerationRequest([5] * (engine.token_limit + 10), GREEDY))
+    assert too_long.value.prompt_tokens == engine.token_limit + 10
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        engine.add_request(GenerationRequest([1, 2], SamplingParams(temperature=-1)))
+    engine.add_request(good[2])
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [final[r.request_id].token_ids for r in good] == reference[:3]
+
+
+def test_abort_at_any_time(tiny_llama) -> None:
+    llm = _llm(tiny_llama)
+    engine = llm.engine
+    waiting = GenerationRequest(llm.encode(PROMPTS[0], raw=True), GREEDY)
+    running = GenerationRequest(llm.encode(PROMPTS[1], raw=True), GREEDY)
+    finished = {}
+
+    def step() -> None:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+
+    engine.add_request(running)
+    step()
+    engine.add_request(waiting)
+    assert engine.abort(waiting.request_id)
+    step()
+    assert engine.abort(running.request_id)
+    assert not engine.abort(running.request_id)  # already finished
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[running.request_id].finish_reason is FinishReason.ABORT
+    assert finished[waiting.request_id].finish_reason is FinishReason.ABORT
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_interactive_requests_are_scheduled_before_batch(tiny_llama) -> None:
+    llm = _llm(tiny_llama, max_num_seqs=1)
+    engine = llm.engine
+    ids = llm.encode(PROMPTS[0], raw=True)
+    batch = GenerationRequest(ids, SamplingParams(max_tokens=4, temperature=0), priority=Priority.BATCH)
+    interactive = GenerationRequest(ids, SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request(batch)
+    engine.add_request(interactive)
+    order = []
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == [interactive.request_id, batch.request_id]
+
+
+def test_batch_decodes_sit_out_the_steps_that_compute_an_interactive_prompt(tiny_llama) -> None:
+    llm = _llm(tiny_llama, max_num_batched_tokens=16)
+    engine = llm.engine
+    ids = llm.encode(PROMPTS[2], raw=True)
+    long_params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    batch = [GenerationRequest(ids, long_params, priority=Priority.BATCH) for _ in range(3)]
+    for request in batch:
+        engine.add_request(request)
+    batch_ids = {r.request_id for r in batch}
+    producing: set[str] = set()
+    while producing != batch_ids:  # until every batch sequence decodes
+        producing |= {o.request_id for o in engine.step() if o.delta_token_ids}
+    interactive = GenerationRequest(ids * 3, SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request(interactive)
+    prompt_steps = 0
+    while True:
+        produced = {o.request_id for o in engine.step() if o.delta_token_ids}
+        prompt_steps += 1
+        assert not produced & batch_ids  # batch tokens wait while the interactive prompt is computed
+        if interactive.request_id in produced:
+            break
+    assert prompt_steps > 2  # the prompt took several chunks, and the batch sat out every one
+    produced = {o.request_id for o in engine.step() if o.delta_token_ids}
+    assert batch_ids <= produced  # interactive decodes alone never pause the batch
+
+
+def test_metrics_report_the_work_done(tiny_llama) -> None:
+    llm = _llm(tiny_llama)
+    llm.generate(PROMPTS, GREEDY)
+    m = llm.engine.metrics()
+    assert m.generation_tokens_total == 24 * len(PROMPTS)
+    assert m.requests_finished_total == len(PROMPTS)
+    assert m.prompt_tokens_total == sum(len(llm.encode(p, raw=True)) for p in PROMPTS)
+    assert m.queue_depth == 0 and m.running == 0
+    assert 0 < m.kv_blocks_free <= m.kv_blocks_total
+    assert m.ttft_s_avg is not None and m.ttft_s_avg > 0
+    assert m.tpot_s_avg is not None and m.tpot_s_avg > 0
+
+
+@pytest.mark.real_model
+def test_smollm2_chat_answers_in_bf16() -> None:
+    require_installed(SMOLLM)
+    llm = LLM(SMOLLM, EngineConfig(dtype="bfloat16", kv_cache_memory="128MiB"))
+    out = llm.chat([[{"role": "user", "content": "What is the capital of France? Answer in one word."}]],
+                   SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason is FinishReason.STOP  # the model ends its turn with <|im_end|>
