@@ -80,6 +80,7 @@ def run(quick: bool = False, quality: bool = True) -> dict:
     start = time.perf_counter()
     scores = evaluate(llm, items, rates, methods)
     scores["seconds"] = time.perf_counter() - start
+    scores["dtype"] = str(llm.engine.config.resolved_dtype()).split(".")[-1]
     return {"quality": scores, **throughput}
 
 
@@ -102,7 +103,7 @@ def markdown(r: dict) -> str:
 
 def _quality_markdown(q: dict) -> list[str]:
     return [f"Quality: `python -m inference.eval.kv`, {q['items']} items ({', '.join(q['kinds'])}), "
-             f"Qwen2.5-Coder-0.5B bf16, greedy; {q['seconds']:.0f} s. QA score: share of answers containing every "
+             f"Qwen2.5-Coder-0.5B {q.get('dtype', 'bf16')}, greedy; {q['seconds']:.0f} s. QA score: share of answers containing every "
              "expected string; agreement: share of the full-cache continuation reproduced before the first "
              "differing token.", "", eval_markdown(q), ""]
 

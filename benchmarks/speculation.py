@@ -21,6 +21,7 @@ import torch
 
 from benchmarks.spec_tasks import GROUNDED, OPEN_CHAT
 from inference import LLM, EngineConfig, GenerationRequest, SamplingParams
+from inference.config import default_dtype
 from inference.models.catalog import model_path
 from inference.spec.settings import SpecMode, SpeculationSettings
 
@@ -46,14 +47,25 @@ def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
 
 def _pair(llm: LLM, prompts: list[list[int]], params: SamplingParams, spec: SpeculationSettings | None,
           runs: int) -> dict:
-    """Tokens/s without and with speculation, alternating runs; acceptance from the last run."""
+    """Tokens/s without and with speculation over `runs` pairs of runs; acceptance from the last run.
+
+    The order inside a pair alternates (off/on, then on/off), so whatever favours the first or the second run
+    of a pair (caches, clocks) cancels; the ratio is the median of the per-pair ratios, and the spread is their
+    range."""
     _generate(llm, prompts, params, None)  # warm up
-    base_t, spec_t = [], []
-    for _ in range(runs):
-        t, base = _generate(llm, prompts, params, SpeculationSettings(SpecMode.OFF))
-        base_t.append(t)
-        t, with_spec = _generate(llm, prompts, params, spec)
-        spec_t.append(t)
+    base_t, spec_t, ratios = [], [], []
+    off = SpeculationSettings(SpecMode.OFF)
+    for i in range(runs):
+        if i % 2 == 0:
+            t_base, base = _generate(llm, prompts, params, off)
+            t_spec, with_spec = _generate(llm, prompts, params, spec)
+        else:
+            t_spec, with_spec = _generate(llm, prompts, params, spec)
+            t_base, base = _generate(llm, prompts, params, off)
+        base_t.append(t_base)
+        spec_t.append(t_spec)
+        ratios.append(sum(len(o.token_ids) for o in with_spec) / t_spec
+                      / (sum(len(o.token_ids) for o in base) / t_base))
     base_tokens = sum(len(o.token_ids) for o in base)
     spec_tokens = sum(len(o.token_ids) for o in with_spec)
     proposed = sum((o.speculation or {}).get("proposed", 0) for o in with_spec)
@@ -61,7 +73,8 @@ def _pair(llm: LLM, prompts: list[list[int]], params: SamplingParams, spec: Spec
     steps = sum((o.speculation or {}).get("steps", 0) for o in with_spec)
     base_rate = base_tokens / statistics.median(base_t)
     spec_rate = spec_tokens / statistics.median(spec_t)
-    return {"base_tok_s": base_rate, "spec_tok_s": spec_rate, "ratio": spec_rate / base_rate,
+    return {"base_tok_s": base_rate, "spec_tok_s": spec_rate, "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "pairs": runs,
             "base_tokens": base_tokens, "spec_tokens": spec_tokens, "proposed": proposed, "accepted": accepted,
             "steps": steps,
             "acceptance": accepted / proposed if proposed else 0.0,
@@ -84,7 +97,7 @@ def _overall(rows: list[dict], drafter: str) -> dict:
 def _hf_rates(name: str, prompts: list[list[int]], new_tokens: int, assistant: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16
+    dtype = default_dtype("cpu")  # what the engine runs in on this CPU, so both sides compare alike
     model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=dtype).eval()
     helper = (AutoModelForCausalLM.from_pretrained(model_path(assistant), dtype=dtype).eval()
               if assistant else None)
@@ -113,10 +126,13 @@ def _hf_rates(name: str, prompts: list[list[int]], new_tokens: int, assistant: s
 def run(quick: bool = False, draft: bool = True) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     runs = 1 if quick else 2
+    # Ratios near 1 (open chat, a full batch) need more pairs than the clear wins before noise stops deciding
+    # their sign.
+    close_runs = 1 if quick else 6
     new_tokens = 48 if quick else 128
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     ngram = SpeculationSettings(SpecMode.NGRAM, K)
-    results: dict = {"new_tokens": new_tokens, "k": K, "rows": []}
+    results: dict = {"new_tokens": new_tokens, "k": K, "rows": [], "dtype": str(default_dtype("cpu")).split(".")[-1]}
     tasks = GROUNDED[:2] if quick else GROUNDED
     chats = OPEN_CHAT[:1] if quick else OPEN_CHAT
 
@@ -131,11 +147,12 @@ def run(quick: bool = False, draft: bool = True) -> dict:
                 ids = llm.encode(messages=[{"role": "user", "content": prompt}])
                 results["rows"].append({"model": name, "workload": f"open chat: {task}",
                                         "drafter": "prompt lookup (adaptive)",
-                                        **_pair(llm, [ids], greedy, None, runs)})
+                                        **_pair(llm, [ids], greedy, None, close_runs)})
             batch = [llm.encode(messages=[{"role": "user", "content": p}]) for _, p in (GROUNDED + OPEN_CHAT)]
             batch = (batch * 8)[: 8 if quick else 32]
             results["rows"].append({"model": name, "workload": f"{len(batch)} concurrent (mixed)",
-                                    "drafter": "prompt lookup (adaptive)", **_pair(llm, batch, greedy, None, runs)})
+                                    "drafter": "prompt lookup (adaptive)",
+                                    **_pair(llm, batch, greedy, None, close_runs)})
             results["hf_qwen"] = _hf_rates(QWEN, encode[:2], new_tokens, None)
         del llm
 
@@ -157,14 +174,22 @@ def run(quick: bool = False, draft: bool = True) -> dict:
     return results
 
 
+def _spread(row: dict) -> str:
+    if "ratio_min" not in row:  # a workload summed over tasks
+        return "–"
+    return f"{row['ratio_min']:.2f}–{row['ratio_max']:.2f} ({row['pairs']})"
+
+
 def markdown(r: dict) -> str:
     lines = [f"Greedy, {r['new_tokens']} output tokens, k = {r['k']}, single stream unless noted; "
-             "bf16 on CPU. Ratios are tokens/s with speculation over without, same prompts, alternating runs.", "",
-             "| model | workload | drafter | no spec (tok/s) | spec (tok/s) | ratio | acceptance | mean accepted |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{r.get('dtype', 'bfloat16')} on CPU. Ratio: the median over pairs of runs (off/on, then on/off) of tokens/s with speculation "
+             "over without, same prompts; its range over the pairs beside it. tok/s columns: median runs.", "",
+             "| model | workload | drafter | no spec (tok/s) | spec (tok/s) | ratio | range (pairs) | acceptance "
+             "| mean accepted |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["rows"]:
         lines.append(f"| {row['model'].split('/')[-1]} | {row['workload']} | {row['drafter']} | "
-                     f"{row['base_tok_s']:.1f} | {row['spec_tok_s']:.1f} | {row['ratio']:.2f}× | "
+                     f"{row['base_tok_s']:.1f} | {row['spec_tok_s']:.1f} | {row['ratio']:.2f}× | {_spread(row)} | "
                      f"{row['acceptance']:.2f} | {row['mean_accepted']:.2f} |")
     hf = r.get("hf_qwen")
     if hf:
@@ -187,7 +212,7 @@ def chat_rows(runs: int) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     greedy = SamplingParams(max_tokens=128, temperature=0.0)
     llm = LLM(QWEN, EngineConfig(kv_cache_memory="1GiB", speculation="ngram", num_speculative_tokens=K))
-    results: dict = {"new_tokens": 128, "k": K, "rows": []}
+    results: dict = {"new_tokens": 128, "k": K, "rows": [], "dtype": str(default_dtype("cpu")).split(".")[-1]}
     for task, prompt in OPEN_CHAT:
         ids = llm.encode(messages=[{"role": "user", "content": prompt}])
         results["rows"].append({"model": QWEN, "workload": f"open chat: {task}", "drafter": "prompt lookup (adaptive)",

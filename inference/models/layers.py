@@ -21,8 +21,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool)
     return weight * xf.to(x.dtype)
 
 
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACKABLE: dict[torch.dtype, bool] = {}
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack weights of this dtype here. Its bf16 path needs AVX-512 (or AVX-NE-CONVERT);
+    on a CPU without them packing raises, and the generic path is the only one."""
+    if dtype not in _PACKABLE:
+        ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        if ok:
+            try:
+                probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+                torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), probe, None, "none", [], "")
+            except RuntimeError:
+                ok = False
+        _PACKABLE[dtype] = ok
+    return _PACKABLE[dtype]
 
 
 class Linear:
@@ -38,7 +52,7 @@ class Linear:
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
         self.packed = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) \
-            and _onednn_available()
+            and _onednn_packs(weight.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
