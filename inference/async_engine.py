@@ -7,6 +7,7 @@ through per-request sinks (an asyncio queue fed with call_soon_threadsafe, or a 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -30,7 +31,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.info = engine.info
-        self.tokenizer = engine.tokenizer
+        # Callers encode on their own copy of the tokenizer: the loop thread's detokenizers use the engine's,
+        # and a shared one would make every request wait for the step in flight before it could even encode.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
         self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._sinks: dict[str, Sink] = {}
@@ -154,8 +157,7 @@ class AsyncEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                with self._tokenizer_lock:
-                    outputs = self.engine.step()
+                outputs = self.engine.step()
                 self._metrics = self.engine.metrics()
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
