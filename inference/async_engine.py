@@ -20,7 +20,7 @@ from inference.engine import EngineMetrics, LLMEngine
 from inference.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from inference.outputs import RequestOutput
 from inference.prompts import encode_prompt
-from inference.sequence import GenerationRequest
+from inference.sequence import GenerationRequest, Priority
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._metrics = engine.metrics()
         self._pending = 0  # submitted, not yet taken in by the loop
+        # Interactive requests submitted and taken in by the loop: while the first runs ahead, a batch-only step
+        # in flight stops between layers (LLMEngine.interrupt) so the newcomer starts without waiting it out.
+        self._interactive_in = 0
+        self._interactive_taken = 0
+        self._submit_lock = threading.Lock()
+        if engine.config.interrupt_batch_steps:
+            engine.interrupt = self._interactive_waiting
         self._tokenizer_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"hearth-engine-{engine.info.name}", daemon=True)
         self._thread.start()
@@ -63,7 +70,10 @@ class AsyncEngine:
         self.engine.validate(request)
         if self._metrics.queue_depth + self._pending >= self.engine.config.max_queue:
             raise EngineOverloadedError("the engine's queue is full; retry later")
-        self._pending += 1
+        with self._submit_lock:
+            self._pending += 1
+            if request.priority is Priority.INTERACTIVE:
+                self._interactive_in += 1
         self._inbox.put(("add", request, sink))
         self._wakeup.set()
 
@@ -121,6 +131,9 @@ class AsyncEngine:
         return self._thread.is_alive() and self._dead is None
 
     # ----------------------------------------------------------------- loop thread
+    def _interactive_waiting(self) -> bool:
+        return self._interactive_in > self._interactive_taken
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -128,7 +141,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._pending -= 1
+                with self._submit_lock:
+                    self._pending -= 1
+                if payload.priority is Priority.INTERACTIVE:
+                    self._interactive_taken += 1
                 try:
                     self.engine.add_request(payload)
                 except InvalidRequestError as exc:

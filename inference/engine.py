@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from inference.block_manager import BlockManager
 from inference.compression import CompressionConfig, KVCompressor
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from inference.errors import InvalidRequestError, PromptTooLongError
+from inference.errors import InvalidRequestError, PromptTooLongError, StepInterrupted
 from inference.kv_cache import KVLayout, KVPool
 from inference.model_runner import ModelRunner, StepResult
 from inference.models.loader import LoadedModel, load_model
@@ -22,7 +23,7 @@ from inference.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from inference.sampler import Sampler, SamplingRow, make_generator
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledChunk, Scheduler
-from inference.sequence import GenerationRequest, Sequence, SequenceStatus
+from inference.sequence import GenerationRequest, Priority, Sequence, SequenceStatus
 from inference.spec.controller import AdaptivePolicy, SpecController
 from inference.spec.drafter import Drafter
 from inference.spec.hybrid import LOOKUP_FIRST_MIN_N, LookupFirst
@@ -56,6 +57,7 @@ class EngineMetrics:
     kv_compressions_total: int = 0
     kv_evicted_entries_total: int = 0
     kv_freed_blocks_total: int = 0
+    steps_interrupted_total: int = 0  # batch-only steps abandoned mid-pass for an arriving interactive request
 
 
 class LLMEngine:
@@ -108,6 +110,10 @@ class LLMEngine:
         self._tpot_sum = 0.0
         self._tpot_count = 0
         self._recent: deque[tuple[float, int]] = deque()
+        self._steps_interrupted_total = 0
+        # Set by a front end that knows of interactive requests waiting to be added (AsyncEngine): batch-only
+        # steps poll it between layers.
+        self.interrupt: Callable[[], bool] | None = None
 
     @classmethod
     def from_model(cls, name_or_path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -182,7 +188,13 @@ class LLMEngine:
         for chunk in plan.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
-        for chunks, result in self._run_isolated(plan.chunks, outputs):
+        try:
+            runs = self._run_isolated(plan.chunks, outputs, self._interrupt_for(plan.chunks))
+        except StepInterrupted:
+            # Nothing was committed; the next step admits the interactive request first, then this work reruns.
+            self._steps_interrupted_total += 1
+            return outputs
+        for chunks, result in runs:
             for chunk in chunks:
                 if chunk.num_draft == 0:
                     self._computed(chunk.seq, chunk.num_tokens)
@@ -232,11 +244,25 @@ class LLMEngine:
                 self._computed(chunk.seq, chunk.num_tokens - rejected)
                 outputs.append(self._append_tokens(chunk.seq, result.tokens))
 
-    def _run_isolated(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]
-                      ) -> list[tuple[list[ScheduledChunk], StepResult]]:
+    def _interrupt_for(self, chunks: list[ScheduledChunk]) -> Callable[[], bool] | None:
+        """A step made only of batch-class work may be abandoned mid-pass when an interactive request arrives, so
+        the request waits a layer instead of a whole step. Steps with drafts (a draft model's cache has moved on)
+        or compression observers (scores would count twice) always finish."""
+        if self.interrupt is None:
+            return None
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.priority is not Priority.BATCH or chunk.num_draft or seq.compression is not None:
+                return None
+        return self.interrupt
+
+    def _run_isolated(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput],
+                      interrupt: Callable[[], bool] | None = None) -> list[tuple[list[ScheduledChunk], StepResult]]:
         """Run the batch; if it fails, run each sequence alone so one bad request fails alone."""
         try:
-            return [(chunks, self.runner.execute(chunks))]
+            return [(chunks, self.runner.execute(chunks, interrupt=interrupt))]
+        except StepInterrupted:
+            raise
         except Exception:
             log.exception("a batched step failed; retrying its sequences one by one")
         results = []
@@ -412,4 +438,5 @@ class LLMEngine:
             kv_compressions_total=self.compressor.stats.compressions,
             kv_evicted_entries_total=self.compressor.stats.evicted_entries,
             kv_freed_blocks_total=self.compressor.stats.freed_blocks,
+            steps_interrupted_total=self._steps_interrupted_total,
         )

@@ -125,10 +125,12 @@ class ModelRunner:
         return self._tensor(np.asarray(ids, dtype=np.int64)), batch
 
     def execute(self, chunks: list[ScheduledChunk],
-                head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
-        """head: maps final hidden rows to the returned rows (default: the model's full-vocabulary logits)."""
+                head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                interrupt: Callable[[], bool] | None = None) -> StepResult:
+        """head: maps final hidden rows to the returned rows (default: the model's full-vocabulary logits).
+        interrupt: see DecoderLM.forward; an interrupted pass raises StepInterrupted and changes nothing."""
         input_ids, batch = self.build(chunks)
-        hidden = self.model.forward(input_ids, batch, self.pool)
+        hidden = self.model.forward(input_ids, batch, self.pool, interrupt)
         return self._finish(chunks, hidden, head or self.model.logits)
 
     def execute_all_logits(self, chunk: ScheduledChunk) -> torch.Tensor:

@@ -116,3 +116,32 @@ async def test_smollm2_streams_multibyte_text_intact() -> None:
         assert "".join(pieces).strip()
     finally:
         engine.shutdown()
+
+
+def test_encoding_does_not_wait_for_the_step_in_flight(tiny_llama) -> None:
+    """The loop thread detokenizes with the engine's tokenizer while callers encode on their own copy: a request
+    arriving during a long step is encoded at once (it used to queue behind the whole step)."""
+    eng = AsyncEngine.from_model(tiny_llama, EngineConfig(dtype="float32", kv_cache_memory="16MiB"))
+    try:
+        in_step, release = threading.Event(), threading.Event()
+        real_step = eng.engine.step
+
+        def slow_step():
+            in_step.set()
+            release.wait(10)
+            return real_step()
+
+        eng.engine.step = slow_step  # type: ignore[method-assign]
+        eng.submit(_request(eng, "Once upon a time", max_tokens=2), lambda _out: None)
+        assert in_step.wait(10)
+        encoded = threading.Event()
+        ids: list[int] = []
+        worker = threading.Thread(target=lambda: (ids.extend(eng.encode("Hello there", raw=True)), encoded.set()))
+        worker.start()
+        assert encoded.wait(5), "encode() waited for the engine step in flight"
+        release.set()
+        worker.join(5)
+        assert ids and ids == eng.encode("Hello there", raw=True)
+    finally:
+        release.set()
+        eng.shutdown()
