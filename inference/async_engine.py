@@ -41,13 +41,14 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._metrics = engine.metrics()
         self._pending = 0  # submitted, not yet taken in by the loop
-        # Interactive requests submitted and taken in by the loop: while the first runs ahead, a batch-only step
-        # in flight stops between layers (LLMEngine.interrupt) so the newcomer starts without waiting it out.
+        # Interactive requests submitted and taken in by the loop: while the first runs ahead, the engine starts
+        # the newcomers between the layers of the step in flight (this object is its FrontEnd).
         self._interactive_in = 0
         self._interactive_taken = 0
         self._submit_lock = threading.Lock()
-        if engine.config.interrupt_batch_steps:
-            engine.interrupt = self._interactive_waiting
+        self._deferred_aborts: list[str] = []
+        if engine.config.serve_arrivals_mid_step:
+            engine.front = self
         self._tokenizer_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"hearth-engine-{engine.info.name}", daemon=True)
         self._thread.start()
@@ -131,10 +132,28 @@ class AsyncEngine:
         return self._thread.is_alive() and self._dead is None
 
     # ----------------------------------------------------------------- loop thread
-    def _interactive_waiting(self) -> bool:
+    # FrontEnd, called by the engine between layers of a pass on this thread.
+    def has_arrivals(self) -> bool:
         return self._interactive_in > self._interactive_taken
 
-    def _drain_inbox(self) -> None:
+    def take_arrivals(self) -> None:
+        self._drain_inbox(mid_step=True)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            self._deliver(sink, out)
+
+    def _drain_inbox(self, mid_step: bool = False) -> None:
+        """Add what was submitted. Mid-step, aborts wait: the sequence may be in the pass in flight."""
+        if not mid_step:
+            for request_id in self._deferred_aborts:
+                self.engine.abort(request_id)
+            self._deferred_aborts.clear()
         while True:
             try:
                 kind, payload, sink = self._inbox.get_nowait()
@@ -151,7 +170,9 @@ class AsyncEngine:
                     self._deliver(sink, exc)
                     continue
                 self._sinks[payload.request_id] = sink
-            elif kind == "abort":
+            elif mid_step:
+                self._deferred_aborts.append(payload)
+            else:
                 self.engine.abort(payload)
 
     def _deliver(self, sink: Sink, item: RequestOutput | BaseException) -> None:
@@ -175,13 +196,7 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self._metrics = self.engine.metrics()
-                for out in outputs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is None:
-                        continue
-                    if out.finished:
-                        del self._sinks[out.request_id]
-                    self._deliver(sink, out)
+                self.deliver(outputs)
         except BaseException as exc:  # the loop itself broke: fail every waiting caller, loudly
             log.exception("the engine loop stopped")
             self._dead = exc

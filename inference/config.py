@@ -63,7 +63,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     max_batch_class_seqs: int | None = None  # cap on BATCH-priority sequences running at once
-    interrupt_batch_steps: bool = True  # an arriving interactive request stops a batch-only step mid-pass
+    serve_arrivals_mid_step: bool = True  # start arriving interactive prompts between a step's layers
     max_queue: int = 4096  # waiting requests before submission is refused
     num_threads: int | None = None  # torch intra-op threads on CPU
     speculation: str = "off"  # default for requests that don't say: off | ngram | draft

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -15,7 +16,7 @@ from inference.block_manager import BlockManager
 from inference.compression import CompressionConfig, KVCompressor
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from inference.errors import InvalidRequestError, PromptTooLongError, StepInterrupted
+from inference.errors import InvalidRequestError, PromptTooLongError
 from inference.kv_cache import KVLayout, KVPool
 from inference.model_runner import ModelRunner, StepResult
 from inference.models.loader import LoadedModel, load_model
@@ -23,7 +24,7 @@ from inference.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from inference.sampler import Sampler, SamplingRow, make_generator
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledChunk, Scheduler
-from inference.sequence import GenerationRequest, Priority, Sequence, SequenceStatus
+from inference.sequence import GenerationRequest, Sequence, SequenceStatus
 from inference.spec.controller import AdaptivePolicy, SpecController
 from inference.spec.drafter import Drafter
 from inference.spec.hybrid import LOOKUP_FIRST_MIN_N, LookupFirst
@@ -57,7 +58,20 @@ class EngineMetrics:
     kv_compressions_total: int = 0
     kv_evicted_entries_total: int = 0
     kv_freed_blocks_total: int = 0
-    steps_interrupted_total: int = 0  # batch-only steps abandoned mid-pass for an arriving interactive request
+    mid_step_admissions_total: int = 0  # interactive prompts started between the layers of a step in flight
+
+
+class FrontEnd(Protocol):
+    """What the engine needs from whoever feeds it while a step runs (AsyncEngine)."""
+
+    def has_arrivals(self) -> bool:
+        """Interactive requests are waiting to be added."""
+
+    def take_arrivals(self) -> None:
+        """Add waiting requests (engine.add_request); hold back anything that would touch running sequences."""
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs produced mid-step to their callers now."""
 
 
 class LLMEngine:
@@ -110,10 +124,10 @@ class LLMEngine:
         self._tpot_sum = 0.0
         self._tpot_count = 0
         self._recent: deque[tuple[float, int]] = deque()
-        self._steps_interrupted_total = 0
-        # Set by a front end that knows of interactive requests waiting to be added (AsyncEngine): batch-only
-        # steps poll it between layers.
-        self.interrupt: Callable[[], bool] | None = None
+        self._mid_step_admissions_total = 0
+        # A front end that hears of requests while a step runs (AsyncEngine): between the layers of each pass
+        # the engine asks it for interactive arrivals and starts them at once (see _admit_arrivals).
+        self.front: FrontEnd | None = None
 
     @classmethod
     def from_model(cls, name_or_path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -188,13 +202,8 @@ class LLMEngine:
         for chunk in plan.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
-        try:
-            runs = self._run_isolated(plan.chunks, outputs, self._interrupt_for(plan.chunks))
-        except StepInterrupted:
-            # Nothing was committed; the next step admits the interactive request first, then this work reruns.
-            self._steps_interrupted_total += 1
-            return outputs
-        for chunks, result in runs:
+        between_layers = self._admit_arrivals if self.front is not None else None
+        for chunks, result in self._run_isolated(plan.chunks, outputs, between_layers):
             for chunk in chunks:
                 if chunk.num_draft == 0:
                     self._computed(chunk.seq, chunk.num_tokens)
@@ -244,25 +253,38 @@ class LLMEngine:
                 self._computed(chunk.seq, chunk.num_tokens - rejected)
                 outputs.append(self._append_tokens(chunk.seq, result.tokens))
 
-    def _interrupt_for(self, chunks: list[ScheduledChunk]) -> Callable[[], bool] | None:
-        """A step made only of batch-class work may be abandoned mid-pass when an interactive request arrives, so
-        the request waits a layer instead of a whole step. Steps with drafts (a draft model's cache has moved on)
-        or compression observers (scores would count twice) always finish."""
-        if self.interrupt is None:
-            return None
-        for chunk in chunks:
-            seq = chunk.seq
-            if seq.priority is not Priority.BATCH or chunk.num_draft or seq.compression is not None:
-                return None
-        return self.interrupt
+    def _admit_arrivals(self) -> None:
+        """Called between two layers of the pass in flight. Interactive requests that arrived since it began
+        get their first prompt chunk computed now, in a pass of their own, and their first token delivered,
+        instead of waiting for the whole step: time to first token stays near idle however full the batch is.
+        The pass in flight is untouched: only free blocks are used, nothing running is preempted, and
+        aborts wait for the step's end (the front end defers them)."""
+        front = self.front
+        if front is None or not front.has_arrivals():
+            return
+        front.take_arrivals()
+        plan = self.scheduler.schedule_arrivals()
+        if not plan:
+            return
+        self._mid_step_admissions_total += len(plan.chunks)
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            if chunk.seq.metrics.first_scheduled_time is None:
+                chunk.seq.metrics.first_scheduled_time = now
+        for chunks, result in self._run_isolated(plan.chunks, outputs):
+            for chunk in chunks:
+                self._computed(chunk.seq, chunk.num_tokens)
+            self._sample_and_append(result.sampled_chunks, result.logits, outputs)
+        self._compress(plan.chunks)
+        front.deliver(outputs)
 
     def _run_isolated(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput],
-                      interrupt: Callable[[], bool] | None = None) -> list[tuple[list[ScheduledChunk], StepResult]]:
+                      between_layers: Callable[[], None] | None = None
+                      ) -> list[tuple[list[ScheduledChunk], StepResult]]:
         """Run the batch; if it fails, run each sequence alone so one bad request fails alone."""
         try:
-            return [(chunks, self.runner.execute(chunks, interrupt=interrupt))]
-        except StepInterrupted:
-            raise
+            return [(chunks, self.runner.execute(chunks, between_layers=between_layers))]
         except Exception:
             log.exception("a batched step failed; retrying its sequences one by one")
         results = []
@@ -438,5 +460,5 @@ class LLMEngine:
             kv_compressions_total=self.compressor.stats.compressions,
             kv_evicted_entries_total=self.compressor.stats.evicted_entries,
             kv_freed_blocks_total=self.compressor.stats.freed_blocks,
-            steps_interrupted_total=self._steps_interrupted_total,
+            mid_step_admissions_total=self._mid_step_admissions_total,
         )

@@ -29,7 +29,3 @@ class EngineOverloadedError(EngineError):
 class EngineDeadError(EngineError):
     """The engine loop stopped after an internal failure; no further requests are served."""
 
-
-class StepInterrupted(Exception):  # noqa: N818 - a control-flow signal, not a failure
-    """An interruptible step stopped between layers so that an interactive request can start first. Nothing was
-    committed: KV lengths, sequence state and outputs are as before the step, which simply runs again."""

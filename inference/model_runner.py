@@ -126,11 +126,11 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk],
                 head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                interrupt: Callable[[], bool] | None = None) -> StepResult:
+                between_layers: Callable[[], None] | None = None) -> StepResult:
         """head: maps final hidden rows to the returned rows (default: the model's full-vocabulary logits).
-        interrupt: see DecoderLM.forward; an interrupted pass raises StepInterrupted and changes nothing."""
+        between_layers: see DecoderLM.forward."""
         input_ids, batch = self.build(chunks)
-        hidden = self.model.forward(input_ids, batch, self.pool, interrupt)
+        hidden = self.model.forward(input_ids, batch, self.pool, between_layers)
         return self._finish(chunks, hidden, head or self.model.logits)
 
     def execute_all_logits(self, chunk: ScheduledChunk) -> torch.Tensor:

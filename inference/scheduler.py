@@ -116,24 +116,48 @@ class Scheduler:
             seq = self._next_admissible()
             if seq is None or (hold_batch and seq.priority is Priority.BATCH):
                 break
-            if seq.num_computed == 0 and seq.blocks.num_columns == 0:
-                reused = self.blocks.match_prefix(seq.blocks, seq.token_ids(), seq.request.extra_keys,
-                                                  min_uncached=seq.final_chunk_min)
-                seq.num_computed = reused
-                if seq.cached_prompt_tokens is None:
-                    seq.cached_prompt_tokens = min(reused, seq.prompt_len)
-            want = _prompt_chunk(seq, budget)
-            if not self.blocks.allocate(seq.blocks, want):
-                # Keep FCFS: nobody jumps the queue head. Give back what it adopted so it can be evicted.
-                self.blocks.free(seq.blocks)
-                seq.num_computed = 0
+            want = self._admit(seq, budget)
+            if want is None:
                 break
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.chunks.append(ScheduledChunk(seq, want))
             budget -= want
         return out
+
+    def schedule_arrivals(self) -> SchedulerOutput:
+        """Interactive sequences at the head of the queue, started while another step's pass is in flight: the
+        first prompt chunk of each, from free blocks only. Nothing running is touched or preempted."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.priority is not Priority.INTERACTIVE or seq.num_computed > 0:  # a preempted one waits its turn
+                break
+            want = self._admit(seq, budget)
+            if want is None:
+                break
+            out.chunks.append(ScheduledChunk(seq, want))
+            budget -= want
+        return out
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Move a waiting sequence to running with blocks for its next prompt chunk (reusing cached prefix
+        blocks first); the chunk's size, or None when the blocks are not there."""
+        if seq.num_computed == 0 and seq.blocks.num_columns == 0:
+            reused = self.blocks.match_prefix(seq.blocks, seq.token_ids(), seq.request.extra_keys,
+                                              min_uncached=seq.final_chunk_min)
+            seq.num_computed = reused
+            if seq.cached_prompt_tokens is None:
+                seq.cached_prompt_tokens = min(reused, seq.prompt_len)
+        want = _prompt_chunk(seq, budget)
+        if not self.blocks.allocate(seq.blocks, want):
+            # Keep FCFS: nobody jumps the queue head. Give back what it adopted so it can be evicted.
+            self.blocks.free(seq.blocks)
+            seq.num_computed = 0
+            return None
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+        return want
 
     def _interactive_prefill_pending(self) -> bool:
         """An interactive prompt will be computed this step. A waiting one counts only if it can be admitted now:

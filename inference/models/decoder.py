@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from inference.batch import AttentionBatch, DecodeGroup
-from inference.errors import StepInterrupted
 from inference.kv_cache import KVPool
 from inference.models import layers
 from kernels import kv_compress as kc
@@ -167,18 +166,17 @@ class DecoderLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVPool,
-                interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (normed).
 
-        interrupt: asked before each of the first three quarters of the layers; True abandons the pass
-        (StepInterrupted). Past that point finishing costs less than starting over."""
+        between_layers: called before each layer; the engine serves newly arrived interactive prompts there
+        (a pass of their own over other sequences' blocks), so they need not wait for this pass to end."""
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        last_check = (3 * len(self.layers)) // 4
         for index, layer in enumerate(self.layers):
-            if interrupt is not None and index < last_check and interrupt():
-                raise StepInterrupted(f"interrupted before layer {index}")
+            if between_layers is not None:
+                between_layers()
             x = self._norm(h, layer.input_norm)
             x = self._attention(index, layer, x, batch, kv)
             if layer.pre_ffn_norm is not None:
