@@ -450,7 +450,7 @@ def finish(c: Claim, outcome: Outcome) -> bool:
             price = entry.price_at(batch.created_at.timestamp()) if entry else None
             record(usage, price)
     batch = Batch.objects.get(pk=c.batch_id)
-    events.publish(batch)
+    events.publish(batch, throttle=True)
     if batch.pending_count <= 0:
         finish_if_drained(c.batch_id)
     else:
