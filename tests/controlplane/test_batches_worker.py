@@ -170,6 +170,39 @@ def test_publishing_progress_never_fails_the_work(db, tenant):
         events.publish(batch)  # logs, does not raise
 
 
+@pytest.mark.redis
+def test_count_updates_are_throttled_but_status_changes_always_go_out(db, tenant):
+    from channels.layers import get_channel_layer
+
+    layer_settings = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                                  "CONFIG": {"hosts": ["redis://127.0.0.1:6379/13"]}}}
+    batch = native_batch(tenant, 3)
+    with override_settings(CHANNEL_LAYERS=layer_settings):
+        layer = get_channel_layer()
+        channel = async_to_sync(layer.new_channel)()
+        async_to_sync(layer.group_add)(events.group_name(tenant.account.pk), channel)
+        for completed in (1, 2):  # two count updates in quick succession: the second is skipped
+            batch.completed_count = completed
+            events.publish(batch, throttle=True)
+        batch.status, batch.completed_count = Batch.Status.COMPLETED, 3
+        events.publish(batch)  # a status change is never skipped, however soon
+        events.publish(batch, throttle=True)  # a finished batch has left the throttle's books: sent too
+
+        async def drain() -> list[dict]:
+            import asyncio
+
+            received = []
+            while True:
+                try:
+                    received.append(await asyncio.wait_for(layer.receive(channel), timeout=0.5))
+                except TimeoutError:
+                    return received
+
+        received = [e for e in async_to_sync(drain)() if e["batch_id"] == batch.pk]
+    assert [(e["status"], e["completed"]) for e in received] == [
+        (batch.Status.IN_PROGRESS, 1), ("completed", 3), ("completed", 3)]
+
+
 # ------------------------------------------------------------------------------------- with the worker
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.real_model

@@ -67,13 +67,20 @@ def test_key_context_cached_in_redis_and_dropped_on_revoke(redis_cache, catalog)
 
 @pytest.mark.real_model
 def test_http_429_with_retry_after_in_production_mode(redis_cache, client, catalog, backend):
-    tenant = make_tenant("redis-http", requests_per_minute=1)
     body = json.dumps({"prompt": "hi", "max_tokens": 1})
-    first = client.post(f"{tenant.run_url}{CHAT_MODEL}", data=body, content_type="application/json", **tenant.auth)
-    assert first.status_code == 200
-    before = time.time()
-    second = client.post(f"{tenant.run_url}{CHAT_MODEL}", data=body, content_type="application/json",
-                         **tenant.auth)
-    after = time.time()
+    for attempt in range(3):
+        # The limit counts per calendar minute: a pair of requests straddling a minute boundary is two windows,
+        # where a second request is rightly allowed. Such a pair says nothing; take another.
+        tenant = make_tenant(f"redis-http-{attempt}", requests_per_minute=1)
+        start = time.time()
+        first = client.post(f"{tenant.run_url}{CHAT_MODEL}", data=body, content_type="application/json",
+                            **tenant.auth)
+        assert first.status_code == 200
+        before = time.time()
+        second = client.post(f"{tenant.run_url}{CHAT_MODEL}", data=body, content_type="application/json",
+                             **tenant.auth)
+        after = time.time()
+        if int(start // 60) == int(after // 60):
+            break
     assert second.status_code == 429 and second.json()["errors"][0]["code"] == 971
     assert int(second["Retry-After"]) in seconds_left_in_minute(before, after)
