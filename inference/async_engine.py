@@ -98,11 +98,29 @@ class AsyncEngine:
                 self.abort(request.request_id)  # type: ignore[arg-type]
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:
-        final = None
-        async for out in self.stream(request):
-            final = out
-        assert final is not None
-        return final
+        """The final output only. Intermediate ones are dropped on the loop thread, so a caller that waits for
+        the end (a batch item, a non-streaming request) costs no cross-thread wake-up per token."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[RequestOutput] = loop.create_future()
+
+        def settle(item: RequestOutput | BaseException) -> None:
+            if done.done():
+                return
+            if isinstance(item, BaseException):
+                done.set_exception(item)
+            else:
+                done.set_result(item)
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            if isinstance(item, BaseException) or item.finished:
+                loop.call_soon_threadsafe(settle, item)
+
+        self.submit(request, sink)
+        try:
+            return await done
+        finally:
+            if not done.done() or done.cancelled():
+                self.abort(request.request_id)  # type: ignore[arg-type]
 
     def generate_blocking(self, request: GenerationRequest, timeout: float | None = None) -> RequestOutput:
         """For threads without an event loop (workers, scripts)."""

@@ -65,6 +65,24 @@ async def test_closing_a_stream_aborts_the_request(engine: AsyncEngine) -> None:
     assert (await engine.generate(_request(engine, "Hello", max_tokens=3))).finished
 
 
+async def test_cancelling_generate_aborts_the_request(engine: AsyncEngine) -> None:
+    task = asyncio.ensure_future(engine.generate(_request(engine, "Count with me: one, two,", max_tokens=400)))
+    for _ in range(200):
+        if engine.metrics().running:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if engine.metrics().running == 0 and engine.metrics().queue_depth == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.metrics().running == 0
+    final = await engine.generate(_request(engine, "Hello", max_tokens=3))
+    assert final.finished and len(final.token_ids) == 3 and final.text  # the final output carries it all
+
+
 async def test_bad_requests_fail_alone_with_clear_errors(engine: AsyncEngine) -> None:
     good = asyncio.ensure_future(engine.generate(_request(engine, "The capital of France is")))
     with pytest.raises(InvalidRequestError, match="token ids"):
