@@ -16,6 +16,7 @@ sequences are decoding. They resume at the next step; interactive decodes alone 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inference.block_manager import BlockManager
@@ -112,32 +113,36 @@ class Scheduler:
             budget -= want
             index += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        def next_waiting() -> Sequence | None:
             seq = self._next_admissible()
-            if seq is None or (hold_batch and seq.priority is Priority.BATCH):
-                break
-            want = self._admit(seq, budget)
-            if want is None:
-                break
-            out.chunks.append(ScheduledChunk(seq, want))
-            budget -= want
+            return None if seq is None or (hold_batch and seq.priority is Priority.BATCH) else seq
+
+        self._admit_waiting(out, budget, next_waiting)
         return out
 
     def schedule_arrivals(self) -> SchedulerOutput:
         """Interactive sequences at the head of the queue, started while another step's pass is in flight: the
         first prompt chunk of each, from free blocks only. Nothing running is touched or preempted."""
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        def fresh_interactive() -> Sequence | None:
             seq = self.waiting[0]
-            if seq.priority is not Priority.INTERACTIVE or seq.num_computed > 0:  # a preempted one waits its turn
+            # A preempted sequence (some tokens computed) waits for a regular step.
+            return seq if seq.priority is Priority.INTERACTIVE and seq.num_computed == 0 else None
+
+        out = SchedulerOutput()
+        self._admit_waiting(out, self.max_num_batched_tokens, fresh_interactive)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, pick: Callable[[], Sequence | None]) -> None:
+        """Admit waiting sequences chosen by `pick` while budget, slots and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = pick()
+            if seq is None:
                 break
             want = self._admit(seq, budget)
             if want is None:
                 break
             out.chunks.append(ScheduledChunk(seq, want))
             budget -= want
-        return out
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Move a waiting sequence to running with blocks for its next prompt chunk (reusing cached prefix

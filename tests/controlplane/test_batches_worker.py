@@ -34,6 +34,21 @@ def native_batch(tenant, count: int, *, max_tokens: int = 2, prompt: str = "Say 
         (f"r{i}", {"prompt": f"{prompt} ({i})", "max_tokens": max_tokens, "temperature": 0}) for i in range(count)])
 
 
+def drain(layer, channel: str, quiet_s: float) -> list[dict]:
+    """Every message the channel receives until it stays quiet for quiet_s."""
+    import asyncio
+
+    async def receive_all() -> list[dict]:
+        received = []
+        while True:
+            try:
+                received.append(await asyncio.wait_for(layer.receive(channel), timeout=quiet_s))
+            except TimeoutError:
+                return received
+
+    return async_to_sync(receive_all)()
+
+
 def wait_batch(batch_id: str, statuses=ALL, timeout: float = 120.0) -> Batch:
     deadline = time.monotonic() + timeout
     while True:
@@ -187,18 +202,7 @@ def test_count_updates_are_throttled_but_status_changes_always_go_out(db, tenant
         batch.status, batch.completed_count = Batch.Status.COMPLETED, 3
         events.publish(batch)  # a status change is never skipped, however soon
         events.publish(batch, throttle=True)  # a finished batch has left the throttle's books: sent too
-
-        async def drain() -> list[dict]:
-            import asyncio
-
-            received = []
-            while True:
-                try:
-                    received.append(await asyncio.wait_for(layer.receive(channel), timeout=0.5))
-                except TimeoutError:
-                    return received
-
-        received = [e for e in async_to_sync(drain)() if e["batch_id"] == batch.pk]
+        received = [e for e in drain(layer, channel, 0.5) if e["batch_id"] == batch.pk]
     assert [(e["status"], e["completed"]) for e in received] == [
         (batch.Status.IN_PROGRESS, 1), ("completed", 3), ("completed", 3)]
 
@@ -283,18 +287,7 @@ def test_progress_events_reach_a_subscriber_on_the_redis_channel_layer(tenant, b
         async_to_sync(layer.group_add)(events.group_name(tenant.account.pk), channel)
         batch = native_batch(tenant, 3)
         wait_batch(batch.pk)
-
-        async def drain() -> list[dict]:
-            import asyncio
-
-            received = []
-            while True:
-                try:
-                    received.append(await asyncio.wait_for(layer.receive(channel), timeout=2))
-                except TimeoutError:
-                    return received
-
-        received = async_to_sync(drain)()
+        received = drain(layer, channel, 2)
     mine = [e for e in received if e["batch_id"] == batch.pk]
     assert mine and all(e["type"] == "batch.progress" for e in mine)
     assert [e["completed"] for e in mine] == sorted(e["completed"] for e in mine)

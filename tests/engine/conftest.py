@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from inference import AsyncEngine
 from inference.errors import ModelNotFoundError
 from inference.models.catalog import BUNDLED_MODELS, model_path, resolve_model
 
@@ -87,3 +89,17 @@ def require_installed(name: str) -> Path:
     if name not in BUNDLED_MODELS or not (model_path(name) / "config.json").exists():
         pytest.skip(f"{name} is not installed: run `make models`")
     return model_path(name)
+
+
+def hold_steps(engine: AsyncEngine) -> tuple[threading.Event, threading.Event]:
+    """Make the engine's next step wait: (in_step: set once the loop thread is inside it, release: lets it go)."""
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def held_step():
+        in_step.set()
+        release.wait(10)
+        return real_step()
+
+    engine.engine.step = held_step  # type: ignore[method-assign]
+    return in_step, release

@@ -16,7 +16,7 @@ from inference import (
     PromptTooLongError,
     SamplingParams,
 )
-from tests.engine.conftest import SMOLLM, require_installed
+from tests.engine.conftest import SMOLLM, hold_steps, require_installed
 
 
 @pytest.fixture(scope="module")
@@ -140,16 +140,8 @@ def test_encoding_does_not_wait_for_the_step_in_flight(tiny_llama) -> None:
     """The loop thread detokenizes with the engine's tokenizer while callers encode on their own copy: a request
     arriving during a long step is encoded at once (it used to queue behind the whole step)."""
     eng = AsyncEngine.from_model(tiny_llama, EngineConfig(dtype="float32", kv_cache_memory="16MiB"))
+    in_step, release = hold_steps(eng)
     try:
-        in_step, release = threading.Event(), threading.Event()
-        real_step = eng.engine.step
-
-        def slow_step():
-            in_step.set()
-            release.wait(10)
-            return real_step()
-
-        eng.engine.step = slow_step  # type: ignore[method-assign]
         eng.submit(_request(eng, "Once upon a time", max_tokens=2), lambda _out: None)
         assert in_step.wait(10)
         encoded = threading.Event()

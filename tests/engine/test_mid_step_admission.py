@@ -16,6 +16,7 @@ from inference import (
     SamplingParams,
 )
 from inference.spec.settings import SpecMode, SpeculationSettings
+from tests.engine.conftest import hold_steps
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Red, green,", "SELECT * FROM users WHERE",
            "Once upon a time there was", "1, 2, 3, 4,"]
@@ -72,11 +73,8 @@ class ScriptedFront:
         self.delivered += [(self.step, out) for out in outputs]
 
 
-def test_arrivals_get_their_first_token_inside_the_step_in_flight(tiny_llama) -> None:
-    engine = _engine(tiny_llama)
-    arrivals = {3: _interactive(engine, 0), 9: _interactive(engine, 1)}
-    front = ScriptedFront(engine, dict(arrivals), on_call=2)  # before the second layer of the pass
-    engine.front = front
+def _drive(engine: LLMEngine, front: ScriptedFront) -> dict[str, list[int]]:
+    """Run the batch to the end, the front handing over its arrivals on their steps; final tokens by id."""
     for request in _batch(engine):
         engine.add_request(request)
     finished: dict[str, list[int]] = {}
@@ -84,6 +82,15 @@ def test_arrivals_get_their_first_token_inside_the_step_in_flight(tiny_llama) ->
         front.step += 1
         front.calls = 0
         finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return finished
+
+
+def test_arrivals_get_their_first_token_inside_the_step_in_flight(tiny_llama) -> None:
+    engine = _engine(tiny_llama)
+    arrivals = {3: _interactive(engine, 0), 9: _interactive(engine, 1)}
+    front = ScriptedFront(engine, dict(arrivals), on_call=2)  # before the second layer of the pass
+    engine.front = front
+    finished = _drive(engine, front)
     # Each arrival's first token was handed over during the very step it arrived in.
     firsts = {out.request_id: step for step, out in front.delivered}
     assert firsts == {"i-0": 3, "i-1": 9}
@@ -101,13 +108,7 @@ def test_without_free_blocks_an_arrival_waits_for_the_next_step(tiny_llama) -> N
                                                            max_num_seqs=len(PROMPTS)))
     front = ScriptedFront(engine, {4: _interactive(engine, 0)}, on_call=1)
     engine.front = front
-    for request in _batch(engine):
-        engine.add_request(request)
-    finished: dict[str, list[int]] = {}
-    while engine.has_unfinished() or front.arrivals:
-        front.step += 1
-        front.calls = 0
-        finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finished = _drive(engine, front)
     # Every slot was taken by the batch: the arrival was added mid-step but started only once a slot freed.
     assert front.delivered == [] and engine.metrics().mid_step_admissions_total == 0
     assert finished["i-0"] == _solo(tiny_llama, lambda e: _interactive(e, 0))
@@ -115,17 +116,9 @@ def test_without_free_blocks_an_arrival_waits_for_the_next_step(tiny_llama) -> N
 
 def test_async_engine_defers_aborts_taken_mid_step(tiny_llama) -> None:
     eng = AsyncEngine.from_model(tiny_llama, EngineConfig(dtype="float32", kv_cache_memory="16MiB"))
-    in_step, release = threading.Event(), threading.Event()
+    in_step, release = hold_steps(eng)
     try:
         assert eng.engine.front is eng
-        real_step = eng.engine.step
-
-        def held_step():
-            in_step.set()
-            release.wait(10)
-            return real_step()
-
-        eng.engine.step = held_step  # type: ignore[method-assign]
         params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
         outputs: list[RequestOutput] = []
         batch = GenerationRequest(eng.encode("batch work", raw=True), params, priority=Priority.BATCH)
