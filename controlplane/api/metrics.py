@@ -52,6 +52,8 @@ _ENGINE_COUNTERS = {
     "requests_finished_total": "Requests the engine finished",
     "spec_proposed": "Speculative draft tokens proposed",
     "spec_accepted": "Speculative draft tokens accepted",
+    "preemptions_total": "Sequences preempted for lack of KV-cache blocks",
+    "mid_step_admissions_total": "Interactive prompts started between the layers of a step in flight",
 }
 
 

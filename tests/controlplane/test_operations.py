@@ -65,6 +65,7 @@ def test_metrics_show_engine_gauges_once_a_model_ran(client, tenant, backend):
                 content_type="application/json", **tenant.auth)
     text = client.get("/metrics").content.decode()
     assert f'hearth_engine_kv_blocks_total{{model="{CHAT_MODEL}"}}' in text
+    assert f'hearth_engine_mid_step_admissions_total{{model="{CHAT_MODEL}"}}' in text
     assert f'hearth_tokens_total{{kind="output",model="{CHAT_MODEL}"}}' in text
     assert f'hearth_inference_requests_total{{api="native",model="{CHAT_MODEL}",status="ok"}}' in text
 
