@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from django.db import IntegrityError, transaction
-from django.db.models import F, Model, Sum
+from django.db import connection, transaction
+from django.db.models import Model, Sum, UniqueConstraint
 from django.utils import timezone
 
 from controlplane.accounts.services import KeyContext
@@ -48,16 +48,26 @@ class UsageRecord:
 
 
 def _bump(model: type[Model], lookup: dict[str, Any], deltas: dict[str, Any]) -> None:
-    """Add deltas to the rollup row for lookup, creating it on first use (race-safe on SQLite and PostgreSQL)."""
-    increments = {name: F(name) + value for name, value in deltas.items()}
-    if model.objects.filter(**lookup).update(**increments):
-        return
-    try:
-        with transaction.atomic():
-            model.objects.create(**lookup, **deltas)
-    except IntegrityError:
-        # Another writer created the row between our update and insert.
-        model.objects.filter(**lookup).update(**increments)
+    """Add deltas to the rollup row for lookup, creating it on first use: one INSERT ... ON CONFLICT DO UPDATE,
+    race-free on SQLite and PostgreSQL alike. Raw SQL because the ORM has no additive upsert, and building a
+    dozen F() expressions per request costs more CPU than the query itself."""
+    meta = model._meta
+    fields = [meta.get_field(name) for name in (*lookup, *deltas)]
+    values = [field.get_db_prep_save(value, connection)
+              for field, value in zip(fields, (*lookup.values(), *deltas.values()), strict=True)]
+    quote = connection.ops.quote_name
+    table = quote(meta.db_table)
+    unique = next(c for c in meta.constraints if isinstance(c, UniqueConstraint))
+    conflict = ", ".join(quote(meta.get_field(name).column) for name in unique.fields)
+    if {meta.get_field(name).column for name in unique.fields} != {f.column for f in fields[:len(lookup)]}:
+        raise ValueError(f"{meta.label}: the lookup must name exactly the unique constraint's fields")
+    columns = ", ".join(quote(f.column) for f in fields)
+    updates = ", ".join(f"{quote(f.column)} = {table}.{quote(f.column)} + excluded.{quote(f.column)}"
+                        for f in fields[len(lookup):])
+    placeholders = ", ".join(["%s"] * len(fields))
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {table} ({columns}) VALUES ({placeholders}) "
+                       f"ON CONFLICT ({conflict}) DO UPDATE SET {updates}", values)
 
 
 def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:

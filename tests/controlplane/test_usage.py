@@ -152,3 +152,29 @@ def test_rollup_upsert_is_safe_for_a_second_key_and_no_key(tenant):
     assert UsageDay.objects.filter(account_id=tenant.account.pk).count() == 2
     assert set(UsageDay.objects.filter(account_id=tenant.account.pk).values_list("key_id", flat=True)) == {
         "", str(tenant.key.pk)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_writers_of_a_new_rollup_row_lose_no_count(tenant):
+    """Several threads open the same minute's row at once: the upsert creates it once and adds every delta."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite serialises writers on one lock; the race needs a server database (the PostgreSQL pass)")
+
+    def write(_: int) -> None:
+        try:
+            for _ in range(10):
+                rec(tenant, at=DAY2, inp=7, out=3)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(write, range(6)))
+    minute = UsageMinute.objects.get(account_id=tenant.account.pk)
+    day = UsageDay.objects.get(account_id=tenant.account.pk)
+    assert (minute.requests, minute.input_tokens, minute.output_tokens) == (60, 420, 180)
+    assert (day.requests, day.input_tokens, day.output_tokens) == (60, 420, 180)
+    assert UsageEvent.objects.filter(account_id=tenant.account.pk).count() == 60
