@@ -123,7 +123,7 @@ class LLMEngine:
         self._ttft_count = 0
         self._tpot_sum = 0.0
         self._tpot_count = 0
-        self._recent: deque[tuple[float, int]] = deque()
+        self._recent: deque[float] = deque()  # when each recent token came out (tokens/s over 10 s)
         self._mid_step_admissions_total = 0
         # A front end that hears of requests while a step runs (AsyncEngine): between the layers of each pass
         # the engine asks it for interactive arrivals and starts them at once (see _admit_arrivals).
@@ -316,7 +316,7 @@ class LLMEngine:
         token_id = int(token.token_id)
         seq.output_token_ids.append(token_id)
         self._generation_tokens_total += 1
-        self._recent.append((now, 1))
+        self._recent.append(now)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
             self._prompt_tokens_total += seq.prompt_len
@@ -431,10 +431,10 @@ class LLMEngine:
     # ----------------------------------------------------------------- metrics
     def metrics(self) -> EngineMetrics:
         now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - 10.0:
+        while self._recent and self._recent[0] < now - 10.0:
             self._recent.popleft()
-        window = (now - self._recent[0][0]) if self._recent else 0.0
-        recent_tokens = sum(n for _, n in self._recent)
+        window = (now - self._recent[0]) if self._recent else 0.0
+        recent_tokens = len(self._recent)
         total, free = self.blocks.num_blocks, self.blocks.num_free_blocks
         spec = self.spec.stats.as_dict()
         return EngineMetrics(

@@ -84,6 +84,7 @@ class Batch(models.Model):
     completed_count = models.PositiveIntegerField(default=0)
     failed_count = models.PositiveIntegerField(default=0)
     cancelled_count = models.PositiveIntegerField(default=0)  # cancelled or expired before they ran
+    dispatched_count = models.PositiveIntegerField(default=0)  # items ever sent to the workers (window refills)
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)

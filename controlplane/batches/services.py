@@ -313,6 +313,7 @@ def dispatch(batch_id: str) -> list[int]:
                    .order_by("index").values_list("pk", flat=True)[:free])
         if ids:
             Item.objects.filter(pk__in=ids).update(dispatched_at=now)
+            Batch.objects.filter(pk=batch_id).update(dispatched_count=F("dispatched_count") + len(ids))
             transaction.on_commit(lambda: send_items(ids))
     return ids
 
@@ -443,19 +444,30 @@ def finish(c: Claim, outcome: Outcome) -> bool:
         if not written:
             return False
         Batch.objects.filter(pk=c.batch_id).update(**{counter: F(counter) + 1})
+        # Read under the row lock the update took: the last of several finishers sees every count.
+        batch = Batch.objects.get(pk=c.batch_id)
         if usage is not None:
-            batch = Batch.objects.only("created_at").get(pk=c.batch_id)
             entry = get_model(usage.model)
             # Priced as of the batch's arrival, like an interactive request's; the event lands when it ran.
             price = entry.price_at(batch.created_at.timestamp()) if entry else None
             record(usage, price)
-    batch = Batch.objects.get(pk=c.batch_id)
     events.publish(batch, throttle=True)
     if batch.pending_count <= 0:
         finish_if_drained(c.batch_id)
-    else:
+    elif _refill_due(batch):
         dispatch(c.batch_id)
     return True
+
+
+def _refill_due(batch: Batch) -> bool:
+    """Whether the dispatch window has room for a chunk (an eighth of it). A dispatch is a locked transaction
+    and a count over the batch's items, per item the worker's largest cost, so the window is refilled in chunks
+    rather than one item at a time. The estimate never undercounts the room (items that failed before dispatch
+    count as done): the last of several finishers sees every count, so a due refill is never missed."""
+    if batch.dispatched_count >= batch.total_count:
+        return False  # everything has been sent once; lost messages are the sweep's
+    outstanding = batch.dispatched_count - (batch.completed_count + batch.failed_count + batch.cancelled_count)
+    return settings.HEARTH_BATCH_WINDOW - outstanding >= max(1, settings.HEARTH_BATCH_WINDOW // 8)
 
 
 def finish_if_drained(batch_id: str) -> None:

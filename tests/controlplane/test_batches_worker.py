@@ -95,6 +95,33 @@ def test_claims_are_exclusive_and_a_result_is_written_once(tenant):
 
 
 @pytest.mark.django_db
+def test_the_dispatch_window_refills_in_chunks_and_every_item_is_sent_once(tenant, settings):
+    settings.HEARTH_BATCH_WINDOW = 16  # refills once two slots are free
+    batch = native_batch(tenant, 40)
+    services.prepare(batch.pk)  # what the prepare task does once the creating transaction commits
+
+    def dispatched() -> list[int]:
+        return list(Item.objects.filter(batch=batch, dispatched_at__isnull=False).order_by("index")
+                    .values_list("index", flat=True))
+
+    assert dispatched() == list(range(16)) and Batch.objects.get(pk=batch.pk).dispatched_count == 16
+    done, outstanding = 0, []
+    while (pending := Item.objects.filter(batch=batch, dispatched_at__isnull=False, status="queued")
+           .order_by("index").first()) is not None:
+        claim = services.claim(pending.pk).claim
+        assert services.finish(claim, services.Outcome(Item.Status.SUCCEEDED, response={"response": "ok"}))
+        done += 1
+        sent = len(dispatched())
+        if sent < 40:
+            outstanding.append(sent - done)
+    # Refilled every second finish: the window never fell below all but one chunk, nor went over.
+    assert set(outstanding) == {15, 16}
+    assert dispatched() == list(range(40)) and done == 40
+    batch.refresh_from_db()
+    assert (batch.status, batch.completed_count, batch.dispatched_count) == ("completed", 40, 40)
+
+
+@pytest.mark.django_db
 def test_an_item_that_keeps_dying_fails_after_max_attempts(tenant, settings):
     settings.HEARTH_BATCH_MAX_ATTEMPTS = 2
     batch = native_batch(tenant, 1)
