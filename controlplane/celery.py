@@ -7,6 +7,10 @@ import os
 from pathlib import Path
 
 from celery import Celery
+from kombu.transport import TRANSPORT_ALIASES
+
+# `filesystem://` (the embedded broker) means our atomic-write variant of kombu's transport: see fs_transport.
+TRANSPORT_ALIASES["filesystem"] = "controlplane.batches.fs_transport:Transport"
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

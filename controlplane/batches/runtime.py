@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 from django.conf import settings
@@ -17,6 +18,7 @@ from django.db import close_old_connections, connection
 from controlplane.celery import app, ensure_broker_dirs
 
 log = logging.getLogger("controlplane.batches")
+RESTART_DELAY_S = 1.0
 
 
 class EmbeddedWorker:
@@ -32,6 +34,9 @@ class EmbeddedWorker:
         self.worker: Any = None
         self._thread: threading.Thread | None = None
         self._beat: Any = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.restarts = 0  # times the worker stopped by itself and was started again
 
     def start(self) -> None:
         from celery.beat import EmbeddedService
@@ -51,12 +56,9 @@ class EmbeddedWorker:
                 close_old_connections()
                 connection.close()
         ready = threading.Event()
-        self.worker = app.WorkController(
-            hostname=f"hearth-embedded-{os.getpid()}@{socket.gethostname()}", pool_cls="threads",
-            concurrency=self.concurrency, loglevel=logging.WARNING, without_heartbeat=True,
-            without_mingle=True, without_gossip=True, ready_callback=lambda *a: ready.set(),
-            task_events=False)
-        self._thread = threading.Thread(target=self.worker.start, name="hearth-batch-worker", daemon=True)
+        self._stopping = False
+        self.worker = self._controller(ready)
+        self._thread = threading.Thread(target=self._serve, name="hearth-batch-worker", daemon=True)
         self._thread.start()
         if not ready.wait(30):
             log.warning("the embedded batch worker took over 30 s to start")
@@ -66,13 +68,38 @@ class EmbeddedWorker:
         log.info("embedded batch worker started (%d threads, broker %s)", self.concurrency,
                  app.conf.broker_url.split("://", 1)[0])
 
+    def _controller(self, ready: threading.Event) -> Any:
+        return app.WorkController(
+            hostname=f"hearth-embedded-{os.getpid()}@{socket.gethostname()}", pool_cls="threads",
+            concurrency=self.concurrency, loglevel=logging.WARNING, without_heartbeat=True,
+            without_mingle=True, without_gossip=True, ready_callback=lambda *a: ready.set(),
+            task_events=False)
+
+    def _serve(self) -> None:
+        """Run the worker, and a fresh one whenever it stops by itself: Celery's worker exits on an error it
+        does not expect from its broker, and in embedded mode it is the only worker there is."""
+        while True:
+            self.worker.start()
+            if self._stopping:
+                return
+            log.error("the embedded batch worker stopped unexpectedly; starting a fresh one")
+            time.sleep(RESTART_DELAY_S)  # a broker that fails at once is not hammered
+            with self._lock:
+                if self._stopping:
+                    return
+                self.restarts += 1
+                self.worker = self._controller(threading.Event())
+
     def stop(self, timeout: float = 10.0) -> None:
         if self._beat is not None:
             self._beat.stop()
             self._beat = None
-        if self.worker is not None:
+        with self._lock:
+            self._stopping = True
+            worker = self.worker
+        if worker is not None:
             # Cold: items in flight stay unacknowledged (and leased) and are run again after a restart.
-            self.worker.terminate()
+            worker.terminate()
             if self._thread is not None:
                 self._thread.join(timeout)
             self.worker = None
