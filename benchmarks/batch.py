@@ -7,7 +7,7 @@ embedded Celery worker (threads, kombu filesystem broker in a scratch dir) runni
    (generated tokens per second).
 2. Interactive TTFT idle: streaming POST /ai/run requests one after another; time to the first SSE token.
 3. Probes while the batch runs through the API and the worker (BATCH priority, capped), each starting
-   PROBE_GAP_DURING_S after the previous one ended; the batch's
+   PROBE_GAP_DURING_S after the previous one ended; the probe client is a separate process. The batch's
    own throughput is its generated tokens over its wall time (queued to completed).
 
 Goals: TTFT while the batch runs <= 1.5x idle; batch throughput >= 80% of the engine's idle throughput.
@@ -121,16 +121,36 @@ def _ttft(url: str, secret: str) -> float:
     raise RuntimeError("the probe produced no token")
 
 
-def _probes(url: str, secret: str, count: int, until: threading.Event | None = None, gap: float = 0.2
-            ) -> list[float]:
-    samples = []
-    while len(samples) < count and not (until is not None and until.is_set()):
+def _probes(url: str, secret: str, count: int, stop_file: str | None = None, gap: float = 0.2) -> list[float]:
+    samples: list[float] = []
+    while len(samples) < count and not (stop_file and os.path.exists(stop_file)):
         samples.append(_ttft(url, secret))
-        if until is not None:
-            until.wait(gap)
-        else:
-            time.sleep(gap)
+        time.sleep(gap)
     return samples
+
+
+class ProbeClient:
+    """The interactive client, in a process of its own as a real client would be: in the server's process its
+    HTTP and SSE parsing would hold the server's GIL and be charged to the batch."""
+
+    def __init__(self, url: str, secret: str, count: int, gap: float, scratch: Path) -> None:
+        import subprocess
+        import sys
+
+        self.stop_file = scratch / f"stop-probes-{time.monotonic_ns()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.batch", "--probe", url, "--count", str(count), "--gap", str(gap),
+             "--stop-file", str(self.stop_file)], env={**os.environ, "HEARTH_PROBE_SECRET": secret},
+            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+
+    def finish(self, timeout: float = 120.0, *, stop: bool = True) -> list[float]:
+        """Every sample, once the client has taken its count, or (stop) after the probe in flight."""
+        if stop:
+            self.stop_file.touch()
+        out, _ = self.proc.communicate(timeout=timeout)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"the probe client failed ({self.proc.returncode})")
+        return json.loads(out.strip().splitlines()[-1])
 
 
 def run(quick: bool = False, items: int | None = None, max_tokens: int | None = None) -> dict[str, Any]:
@@ -147,8 +167,7 @@ def run(quick: bool = False, items: int | None = None, max_tokens: int | None = 
         idle = _engine_idle_throughput(items, max_tokens)
         base, server = _serve()
         url = f"{base}/client/v4/accounts/{account_id}/ai/run/{MODEL}"
-        _ttft(url, secret)  # warm
-        ttft_idle = _probes(url, secret, probes)
+        ttft_idle = ProbeClient(url, secret, probes + 1, 0.2, Path(tmp)).finish(600, stop=False)[1:]  # 1st warms
 
         worker = EmbeddedWorker(beat=False, rebuild_queue=False, recover=False)
         worker.start()
@@ -156,20 +175,12 @@ def run(quick: bool = False, items: int | None = None, max_tokens: int | None = 
             ctx = authenticate_key(secret)
             batch = services.create_native_batch(ctx, MODEL, [
                 (None, {"prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0}) for i in range(items)])
-            finished = threading.Event()
-            during: list[float] = []
-
-            def probe_during() -> None:
-                while not Item.objects.filter(batch=batch, status="running").exists():
-                    time.sleep(0.05)
-                during.extend(_probes(url, secret, 10**6, until=finished, gap=PROBE_GAP_DURING_S))
-
-            prober = threading.Thread(target=probe_during, daemon=True)
-            prober.start()
+            while not Item.objects.filter(batch=batch, status="running").exists():
+                time.sleep(0.05)
+            prober = ProbeClient(url, secret, 10**6, PROBE_GAP_DURING_S, Path(tmp))
             while Batch.objects.get(pk=batch.pk).status not in Batch.TERMINAL:
                 time.sleep(0.2)
-            finished.set()
-            prober.join(120)
+            during = prober.finish()
             done = Batch.objects.get(pk=batch.pk)
             generated = sum(Item.objects.filter(batch=batch).values_list("output_tokens", flat=True))
         finally:
@@ -204,7 +215,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"`{r['model']}`, a Workers AI queueRequest of {r['items']} items ({r['max_tokens']} output tokens at most, "
         f"greedy) through the API and the embedded Celery worker ({r['worker_threads']} threads, engine cap "
         f"{r['engine_batch_cap']} BATCH sequences); {r['completed']} completed, {r['failed']} failed. "
-        f"Interactive probes: streaming POST /ai/run, {PROBE_TOKENS} tokens, one at a time "
+        f"Interactive probes: streaming POST /ai/run from a client process of their own, {PROBE_TOKENS} tokens, "
+        "one at a time "
         f"({r['ttft_samples'][0]} idle, {r['ttft_samples'][1]} during the batch, each {PROBE_GAP_DURING_S} s after "
         "the previous one ended).",
         "",
@@ -224,7 +236,15 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="100 items and fewer probes (a smoke run)")
     parser.add_argument("--items", type=int, help="batch size (default 1000, quick 100)")
     parser.add_argument("--max-tokens", type=int, help="output tokens per item (default 32, quick 16)")
+    parser.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the ProbeClient process
+    parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--gap", type=float, default=0.2, help=argparse.SUPPRESS)
+    parser.add_argument("--stop-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    result = run(quick=args.quick, items=args.items, max_tokens=args.max_tokens)
-    print(json.dumps(result, indent=2, default=str))
-    print(markdown(result))
+    if args.probe:
+        print(json.dumps(_probes(args.probe, os.environ["HEARTH_PROBE_SECRET"], args.count, args.stop_file,
+                                 args.gap)))
+    else:
+        result = run(quick=args.quick, items=args.items, max_tokens=args.max_tokens)
+        print(json.dumps(result, indent=2, default=str))
+        print(markdown(result))
