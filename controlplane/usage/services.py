@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -47,27 +48,32 @@ class UsageRecord:
     created_at: datetime | None = None
 
 
+@functools.cache
+def _upsert_sql(model: type[Model], keys: tuple[str, ...], deltas: tuple[str, ...]) -> str:
+    """INSERT ... ON CONFLICT DO UPDATE adding the deltas, built once per rollup model and field set."""
+    meta = model._meta
+    quote = connection.ops.quote_name
+    table = quote(meta.db_table)
+    unique = next(c for c in meta.constraints if isinstance(c, UniqueConstraint))
+    conflict = [meta.get_field(name).column for name in unique.fields]
+    if set(conflict) != {meta.get_field(name).column for name in keys}:
+        raise ValueError(f"{meta.label}: the lookup must name exactly the unique constraint's fields")
+    columns = [meta.get_field(name).column for name in (*keys, *deltas)]
+    updates = ", ".join(f"{quote(c)} = {table}.{quote(c)} + excluded.{quote(c)}" for c in columns[len(keys):])
+    return (f"INSERT INTO {table} ({', '.join(map(quote, columns))}) VALUES ({', '.join(['%s'] * len(columns))}) "
+            f"ON CONFLICT ({', '.join(map(quote, conflict))}) DO UPDATE SET {updates}")
+
+
 def _bump(model: type[Model], lookup: dict[str, Any], deltas: dict[str, Any]) -> None:
     """Add deltas to the rollup row for lookup, creating it on first use: one INSERT ... ON CONFLICT DO UPDATE,
     race-free on SQLite and PostgreSQL alike. Raw SQL because the ORM has no additive upsert, and building a
     dozen F() expressions per request costs more CPU than the query itself."""
     meta = model._meta
-    fields = [meta.get_field(name) for name in (*lookup, *deltas)]
-    values = [field.get_db_prep_save(value, connection)
-              for field, value in zip(fields, (*lookup.values(), *deltas.values()), strict=True)]
-    quote = connection.ops.quote_name
-    table = quote(meta.db_table)
-    unique = next(c for c in meta.constraints if isinstance(c, UniqueConstraint))
-    conflict = ", ".join(quote(meta.get_field(name).column) for name in unique.fields)
-    if {meta.get_field(name).column for name in unique.fields} != {f.column for f in fields[:len(lookup)]}:
-        raise ValueError(f"{meta.label}: the lookup must name exactly the unique constraint's fields")
-    columns = ", ".join(quote(f.column) for f in fields)
-    updates = ", ".join(f"{quote(f.column)} = {table}.{quote(f.column)} + excluded.{quote(f.column)}"
-                        for f in fields[len(lookup):])
-    placeholders = ", ".join(["%s"] * len(fields))
+    names = (*lookup, *deltas)
+    values = [meta.get_field(name).get_db_prep_save(value, connection)
+              for name, value in zip(names, (*lookup.values(), *deltas.values()), strict=True)]
     with connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {table} ({columns}) VALUES ({placeholders}) "
-                       f"ON CONFLICT ({conflict}) DO UPDATE SET {updates}", values)
+        cursor.execute(_upsert_sql(model, tuple(lookup), tuple(deltas)), values)
 
 
 def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
