@@ -329,13 +329,40 @@ class Claim:
 class ClaimResult:
     claim: Claim | None = None
     wait_s: float | None = None  # another worker holds a live lease: look again after this long
+    item: Item | None = None  # the claimed item, its batch joined, read after the claim took
+
+
+# A batch whose items may run: not finished, not being cancelled, not past its window.
+_RUNNABLE = Q(batch__cancelling_at__isnull=True, batch__expired_at__isnull=True) & ~Q(
+    batch__status__in=Batch.TERMINAL)
+
+
+def _takeable(now: datetime) -> Q:
+    """A queued item, or a running one whose holder's lease ran out (the holder died)."""
+    return Q(status=ItemStatus.QUEUED) | Q(status=ItemStatus.RUNNING, lease_until__lte=now)
 
 
 def claim(item_id: int) -> ClaimResult:
     """Take an item for execution: a queued one, or a running one whose holder's lease ran out (the holder
     died). A redelivered message for an item another worker is running waits for that lease instead of
-    dropping the item, so a holder that dies later still loses nothing."""
+    dropping the item, so a holder that dies later still loses nothing.
+
+    The common case is one conditional UPDATE (then one read of what was taken); only when it takes nothing
+    is the item read to say why: done, leased by a live holder, batch stopped, or out of attempts."""
     now = _now()
+    token = uuid.uuid4().hex
+    lease = now + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
+    taken = Item.objects.filter(_takeable(now), _RUNNABLE, pk=item_id,
+                                attempts__lt=settings.HEARTH_BATCH_MAX_ATTEMPTS).update(
+        status=ItemStatus.RUNNING, claim_token=token, lease_until=lease, attempts=F("attempts") + 1,
+        started_at=Coalesce("started_at", Value(now)))
+    if taken:
+        item = Item.objects.select_related("batch").get(pk=item_id)
+        return ClaimResult(claim=Claim(item_id, item.batch_id, token), item=item)
+    return _not_taken(item_id, now)
+
+
+def _not_taken(item_id: int, now: datetime) -> ClaimResult:
     item = Item.objects.filter(pk=item_id).select_related("batch").only(
         "status", "lease_until", "attempts", "batch__status", "batch__cancelling_at", "batch__expired_at").first()
     if item is None or item.status in Item.DONE:
@@ -351,15 +378,8 @@ def claim(item_id: int) -> ClaimResult:
     if item.attempts >= settings.HEARTH_BATCH_MAX_ATTEMPTS:
         _close_broken(item_id, batch, now)
         return ClaimResult()
-    token = uuid.uuid4().hex
-    lease = now + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
-    taken = Item.objects.filter(pk=item_id).filter(
-        Q(status=ItemStatus.QUEUED) | Q(status=ItemStatus.RUNNING, lease_until__lte=now)).update(
-        status=ItemStatus.RUNNING, claim_token=token, lease_until=lease, attempts=F("attempts") + 1,
-        started_at=Coalesce("started_at", Value(now)))
-    if not taken:  # someone else was faster: look at it again once their lease could have run out
-        return ClaimResult(wait_s=float(settings.HEARTH_BATCH_LEASE_SECONDS))
-    return ClaimResult(claim=Claim(item_id, item.batch_id, token))
+    # Takeable now but not a moment ago: its holder gave it back in between. Try again shortly.
+    return ClaimResult(wait_s=0.0)
 
 
 def _close_stopped(item_id: int, batch: Batch, now: datetime) -> None:
@@ -372,8 +392,7 @@ def _close_stopped(item_id: int, batch: Batch, now: datetime) -> None:
     error = {"status": 400, "openai_status": 400, "code": errors.CODE_INVALID_INPUT, "openai_code": code,
              "message": message, "param": None}
     with transaction.atomic():
-        closed = Item.objects.filter(pk=item_id).filter(
-            Q(status=ItemStatus.QUEUED) | Q(status=ItemStatus.RUNNING, lease_until__lte=now)).update(
+        closed = Item.objects.filter(_takeable(now), pk=item_id).update(
             status=status, error=error, finished_at=now, lease_until=None, claim_token="")
         if closed:
             Batch.objects.filter(pk=batch.pk).update(cancelled_count=F("cancelled_count") + 1)
@@ -387,8 +406,7 @@ def _close_broken(item_id: int, batch: Batch, now: datetime) -> None:
     error = error_json(errors.internal(f"This request failed {settings.HEARTH_BATCH_MAX_ATTEMPTS} times without "
                                        "an answer; it was given up"))
     with transaction.atomic():
-        closed = Item.objects.filter(pk=item_id).filter(
-            Q(status=ItemStatus.QUEUED) | Q(status=ItemStatus.RUNNING, lease_until__lte=now)).update(
+        closed = Item.objects.filter(_takeable(now), pk=item_id).update(
             status=ItemStatus.FAILED, error=error, finished_at=now, lease_until=None, claim_token="")
         if closed:
             Batch.objects.filter(pk=batch.pk).update(failed_count=F("failed_count") + 1)

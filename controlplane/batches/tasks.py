@@ -12,7 +12,6 @@ from celery.signals import task_postrun, task_prerun
 from django.db import close_old_connections
 
 from controlplane.batches import execute, maintenance, services
-from controlplane.batches.models import Item
 from controlplane.celery import app
 
 log = logging.getLogger("controlplane.batches")
@@ -46,8 +45,8 @@ def run_item(self, item_id: int) -> str:
         raise self.retry(countdown=min(result.wait_s + 0.5, MAX_BACKOFF_S), max_retries=None)
     if result.claim is None:
         return "done"
-    claim = result.claim
-    item = Item.objects.select_related("batch").get(pk=item_id)
+    claim, item = result.claim, result.item
+    assert item is not None  # a claim comes with its item
     try:
         outcome = execute.run_claimed(claim, item, item.batch)
     except execute.Busy as exc:

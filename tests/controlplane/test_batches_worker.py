@@ -65,7 +65,7 @@ def test_claims_are_exclusive_and_a_result_is_written_once(tenant):
     batch = native_batch(tenant, 2)
     first, second = Item.objects.filter(batch=batch).order_by("index")
     a = services.claim(first.pk)
-    assert a.claim is not None and a.wait_s is None
+    assert a.claim is not None and a.wait_s is None and (a.item.pk, a.item.batch.pk) == (first.pk, batch.pk)
     # A second delivery while the lease is live waits instead of running it again (or dropping it).
     again = services.claim(first.pk)
     assert again.claim is None and 0 < again.wait_s <= 60
