@@ -109,4 +109,13 @@ async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
             return
 
 
-application = ProtocolTypeRouter({"http": http_router, "lifespan": lifespan})
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from controlplane.dashboard.routing import websocket_urlpatterns  # noqa: E402
+
+# The dashboard's sockets: the session cookie says who it is, and only pages of our own hosts may open one.
+application = ProtocolTypeRouter({
+    "http": http_router, "lifespan": lifespan,
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))})

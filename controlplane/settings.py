@@ -72,7 +72,11 @@ INSTALLED_APPS = [
     "controlplane.usage",
     "controlplane.serving",
     "controlplane.batches",
+    "controlplane.dashboard",
 ]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
 
 MIDDLEWARE = [
     "controlplane.api.middleware.MetricsMiddleware",

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Model, Sum, UniqueConstraint
+from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane.accounts.services import KeyContext
@@ -20,6 +21,8 @@ from controlplane.usage.models import Source, Status, UsageDay, UsageEvent, Usag
 
 log = logging.getLogger("controlplane.usage")
 _ZERO = Decimal(0)
+# Sent once an event and its rollups are committed (kwargs: account_id). The dashboard pushes live charts from it.
+usage_recorded = Signal()
 
 
 @dataclass(slots=True)
@@ -117,6 +120,8 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
         utc = created.astimezone(UTC)
         _bump(UsageMinute, {**common, "minute": utc.replace(second=0, microsecond=0)}, deltas)
         _bump(UsageDay, {**common, "day": utc.date()}, deltas)
+        account_id = rec.account_id
+        transaction.on_commit(lambda: usage_recorded.send(sender=UsageEvent, account_id=account_id))
     return event
 
 
