@@ -52,6 +52,7 @@ urlpatterns = [
                                                           redirect_authenticated_user=True), name="login"),
     path("dashboard/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("dashboard/<str:account_id>/", dashboard.overview, name="dashboard-overview"),
+    path("dashboard/<str:account_id>/keys/", dashboard.keys, name="dashboard-keys"),
     path("api/schema/", openapi.schema_view, name="api-schema"),
     path("api/docs/", openapi.docs_view, name="api-docs"),
     path("client/v4/accounts", accounts.list_accounts, name="accounts"),

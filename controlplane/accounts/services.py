@@ -12,6 +12,7 @@ import hmac
 import secrets
 import string
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -123,6 +124,14 @@ def issue_key(account: Account, *, name: str = "default", permission: str = ApiK
         permission=permission, allowed_models=models, expires_at=expires_at,
         requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute, created_by=created_by)
     return key, raw
+
+
+def key_id_or_404(value: str) -> str:
+    """A key id from a URL or form: a malformed one names no key (404), it is not a server error."""
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise errors.not_found(f"no API key {value} in this account") from None
 
 
 def revoke_key(account_id: str, key_id: str) -> ApiKey:

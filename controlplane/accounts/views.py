@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -82,17 +81,12 @@ def key_detail(request: HttpRequest, account_id: str, key_id: str) -> HttpRespon
     who = principal(request)
     if request.method == "GET":
         who.require(account_id, ApiKey.Permission.ADMIN if who.key else ApiKey.Permission.READ)
-        key = ApiKey.objects.filter(account_id=account_id, pk=_uuid_or_404(key_id)).first()
+        key = ApiKey.objects.filter(account_id=account_id, pk=services.key_id_or_404(key_id)).first()
         if key is None:
             raise errors.not_found(f"no API key {key_id} in this account")
         return json_response(envelope(key_json(key)))
     who.require(account_id, ApiKey.Permission.ADMIN)
-    key = services.revoke_key(account_id, _uuid_or_404(key_id))
+    key = services.revoke_key(account_id, services.key_id_or_404(key_id))
     return json_response(envelope(key_json(key)))
 
 
-def _uuid_or_404(value: str) -> str:
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise errors.not_found(f"no API key {value} in this account") from None

@@ -202,3 +202,46 @@ def test_live_updates_cross_processes_on_the_redis_channel_layer(tenant):
             asyncio.run(_live_update_arrives(tenant, _session(member(tenant))))
         finally:
             channel_layers.backends.clear()
+
+
+# -------------------------------------------------------------------------------------------------- keys
+@pytest.mark.django_db
+def test_owners_create_and_revoke_keys_and_the_secret_is_shown_once(tenant):
+    from controlplane.accounts.models import ApiKey
+    from controlplane.accounts.services import authenticate_key
+    from controlplane.api.errors import ApiError
+
+    owner = member(tenant, "owner")
+    Membership.objects.filter(user=owner).update(role=Membership.Role.OWNER)
+    web = Client()
+    web.force_login(owner)
+    url = f"/dashboard/{tenant.account.pk}/keys/"
+    page = web.post(url, {"action": "create", "name": "my-app", "permission": "run", "expires_days": "30"})
+    assert page.status_code == 200
+    secret = page.context["created"]["secret"]
+    assert secret.encode() in page.content and authenticate_key(secret).account_id == tenant.account.pk
+    assert secret.encode() not in web.get(url).content  # once
+    key = ApiKey.objects.get(name="my-app")
+    assert key.created_by == owner and 29 < (key.expires_at - timezone.now()).days + 1 <= 30
+    bad = web.post(url, {"action": "create", "name": "x", "expires_days": "soon"})
+    assert bad.status_code == 400 and b"number of days" in bad.content
+    bad = web.post(url, {"action": "create", "name": "x", "permission": "root"})
+    assert bad.status_code == 400 and b"permission must be one of" in bad.content
+    assert web.post(url, {"action": "revoke", "key_id": str(key.pk)}).status_code == 302
+    with pytest.raises(ApiError, match="revoked"):
+        authenticate_key(secret)
+    assert b"revoked" in web.get(url).content
+    assert web.post(url, {"action": "revoke", "key_id": "not-a-key"}).status_code == 404
+
+
+@pytest.mark.django_db
+def test_members_see_keys_but_cannot_change_them(tenant, other_tenant):
+    web = Client()
+    web.force_login(member(tenant))
+    url = f"/dashboard/{tenant.account.pk}/keys/"
+    page = web.get(url)
+    assert page.status_code == 200 and tenant.key.prefix.encode() in page.content and b"Create a key" not in page.content
+    assert web.post(url, {"action": "revoke", "key_id": str(tenant.key.pk)}).status_code == 403
+    tenant.key.refresh_from_db()
+    assert tenant.key.revoked_at is None
+    assert web.get(f"/dashboard/{other_tenant.account.pk}/keys/").status_code == 404

@@ -48,12 +48,27 @@ def tenant(live_server_url):
     seed(BUNDLED_MODELS.values(), log=lambda line: None)
     tenant = make_tenant("browser")
     user = get_user_model().objects.create_user("grace", password="pw-grace")
-    Membership.objects.create(account=tenant.account, user=user, role=Membership.Role.MEMBER)
+    Membership.objects.create(account=tenant.account, user=user, role=Membership.Role.OWNER)
     return tenant
 
 
-def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, tenant, browser):
+def sign_in(browser, url: str):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{url}/dashboard/login/")
+    page.fill("input[name=username]", "grace")
+    page.fill("input[name=password]", "pw-grace")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/dashboard/*/")
+    return page
 
+
+def run_model(url: str, account_id: str, secret: str) -> httpx.Response:
+    return httpx.post(f"{url}/client/v4/accounts/{account_id}/ai/run/{CHAT_MODEL}",
+                      headers={"Authorization": f"Bearer {secret}"}, timeout=120,
+                      json={"prompt": "Say hello.", "max_tokens": 4, "temperature": 0})
+
+
+def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, tenant, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(f"{live_server_url}/dashboard/")
     assert "/dashboard/login/" in page.url
@@ -69,9 +84,7 @@ def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, 
     assert page.inner_text("#t-requests") == "0" and page.is_visible("#chart-empty")
     shot(page, "overview-empty")
 
-    response = httpx.post(f"{live_server_url}/client/v4/accounts/{tenant.account.pk}/ai/run/{CHAT_MODEL}",
-                          headers={"Authorization": f"Bearer {tenant.secret}"}, timeout=120,
-                          json={"prompt": "Say hello.", "max_tokens": 4, "temperature": 0})
+    response = run_model(live_server_url, tenant.account.pk, tenant.secret)
     assert response.status_code == 200
     answered = time.monotonic()
     page.wait_for_selector("body[data-requests-today='1']", timeout=2_000)  # the promise: within 2 s
@@ -91,3 +104,28 @@ def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, 
 
     page.click("text=Sign out")
     page.wait_for_url("**/dashboard/login/")
+
+
+def test_create_a_key_use_it_then_revoke_it_and_the_api_refuses_it(live_server_url, tenant, browser):
+    page = sign_in(browser, live_server_url)
+    page.click("text=API keys")
+    page.fill("input[name=name]", "from-the-browser")
+    page.fill("input[name=expires_days]", "7")
+    page.click("text=Create key")
+    secret = page.inner_text("#new-secret").strip()
+    assert secret.startswith("hth_")
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.click("button[data-copy=new-secret]")
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    shot(page, "keys-created")
+    assert run_model(live_server_url, tenant.account.pk, secret).status_code == 200
+
+    page.click("text=API keys")  # the secret was shown once
+    assert secret not in page.content()
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.click("tr[data-key=from-the-browser] button.danger")
+    page.wait_for_selector("tr[data-key=from-the-browser] td.status:has-text('revoked')")
+    assert page.locator("tr[data-key=from-the-browser]").count() == 1
+    shot(page, "keys-revoked")
+    refused = run_model(live_server_url, tenant.account.pk, secret)
+    assert refused.status_code == 401 and "revoked" in refused.json()["errors"][0]["message"]
