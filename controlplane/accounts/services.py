@@ -110,6 +110,9 @@ def issue_key(account: Account, *, name: str = "default", permission: str = ApiK
     """Create a key; returns the row and the secret, which exists nowhere else afterwards."""
     if permission not in _PERMISSION_RANK:
         raise errors.invalid(f"permission must be one of {sorted(_PERMISSION_RANK)}", "permission")
+    name = name.strip() or "default"
+    if len(name) > ApiKey._meta.get_field("name").max_length:
+        raise errors.invalid("name must be at most 100 characters", "name")
     models = sorted(set(allowed_models))
     if expires_at is not None and expires_at <= timezone.now():
         raise errors.invalid("expires_on must be in the future", "expires_on")
@@ -120,7 +123,7 @@ def issue_key(account: Account, *, name: str = "default", permission: str = ApiK
         if prefix_attempt == 4:
             raise errors.internal("could not allocate a unique key prefix")
     key = ApiKey.objects.create(
-        account=account, name=name.strip() or "default", prefix=public, secret_hash=_hash(raw),
+        account=account, name=name, prefix=public, secret_hash=_hash(raw),
         permission=permission, allowed_models=models, expires_at=expires_at,
         requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute, created_by=created_by)
     return key, raw

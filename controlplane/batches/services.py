@@ -332,9 +332,12 @@ class ClaimResult:
     item: Item | None = None  # the claimed item, its batch joined, read after the claim took
 
 
-# A batch whose items may run: not finished, not being cancelled, not past its window.
-_RUNNABLE = Q(batch__cancelling_at__isnull=True, batch__expired_at__isnull=True) & ~Q(
-    batch__status__in=Batch.TERMINAL)
+def _runnable_batches() -> Any:
+    """Batches whose items may run: not finished, not being cancelled, not past their window. Used as a
+    subquery on batch_id so the item's own conditions stay on the UPDATE itself: PostgreSQL re-checks those
+    after waiting for a row lock (a cancel that just stopped the item), but not conditions inside a subquery."""
+    return Batch.objects.filter(cancelling_at__isnull=True, expired_at__isnull=True).exclude(
+        status__in=Batch.TERMINAL).values("pk")
 
 
 def _takeable(now: datetime) -> Q:
@@ -352,8 +355,8 @@ def claim(item_id: int) -> ClaimResult:
     now = _now()
     token = uuid.uuid4().hex
     lease = now + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
-    taken = Item.objects.filter(_takeable(now), _RUNNABLE, pk=item_id,
-                                attempts__lt=settings.HEARTH_BATCH_MAX_ATTEMPTS).update(
+    taken = Item.objects.filter(_takeable(now), pk=item_id, attempts__lt=settings.HEARTH_BATCH_MAX_ATTEMPTS,
+                                batch_id__in=_runnable_batches()).update(
         status=ItemStatus.RUNNING, claim_token=token, lease_until=lease, attempts=F("attempts") + 1,
         started_at=Coalesce("started_at", Value(now)))
     if taken:

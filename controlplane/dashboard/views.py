@@ -21,6 +21,8 @@ from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.dashboard import stats
 
+MAX_EXPIRY_DAYS = 36_500
+
 
 def _account(request: HttpRequest, account_id: str) -> tuple[Account, list[Account]]:
     """The account being looked at, if the user may see it (else 404: its existence is not the user's business),
@@ -73,11 +75,13 @@ def keys(request: HttpRequest, account_id: str) -> HttpResponse:
 def _create_key(request: HttpRequest, account: Account) -> dict:
     days = request.POST.get("expires_days", "").strip()
     try:
-        expires = expiry_from_days(float(days)) if days else None
+        number = float(days) if days else None
     except ValueError:
-        raise errors.invalid("Expiry must be a number of days", "expires_days") from None
+        number = float("nan")
+    if number is not None and not 0 < number <= MAX_EXPIRY_DAYS:  # NaN fails every comparison
+        raise errors.invalid(f"Expiry must be a number of days between 0 and {MAX_EXPIRY_DAYS:,}", "expires_days")
     key, secret = issue_key(account, name=request.POST.get("name", ""), permission=request.POST.get(
-        "permission", ApiKey.Permission.RUN), expires_at=expires, created_by=request.user)
+        "permission", ApiKey.Permission.RUN), expires_at=expiry_from_days(number), created_by=request.user)
     return {"key": key, "secret": secret}
 
 

@@ -225,6 +225,11 @@ def test_owners_create_and_revoke_keys_and_the_secret_is_shown_once(tenant):
     assert key.created_by == owner and 29 < (key.expires_at - timezone.now()).days + 1 <= 30
     bad = web.post(url, {"action": "create", "name": "x", "expires_days": "soon"})
     assert bad.status_code == 400 and b"number of days" in bad.content
+    for days in ("-1", "0", "1e20", "nan"):
+        bad = web.post(url, {"action": "create", "name": "x", "expires_days": days})
+        assert bad.status_code == 400 and b"number of days between" in bad.content, days
+    bad = web.post(url, {"action": "create", "name": "x" * 101})
+    assert bad.status_code == 400 and b"at most 100 characters" in bad.content
     bad = web.post(url, {"action": "create", "name": "x", "permission": "root"})
     assert bad.status_code == 400 and b"permission must be one of" in bad.content
     assert web.post(url, {"action": "revoke", "key_id": str(key.pk)}).status_code == 302

@@ -53,7 +53,9 @@ def test_a_message_being_written_is_invisible_to_the_consumer(conn, monkeypatch)
 
 def test_an_unreadable_message_file_is_dropped_and_the_next_one_delivered(conn, tmp_path, caplog):
     queue = conn.SimpleQueue("q")
-    (tmp_path / "queue" / "1_broken.q.msg").write_bytes(b"")  # what a crash mid-write (or old kombu) leaves
+    # What a crash mid-write (or old kombu) leaves, named to sort before any real message (those start with a
+    # millisecond clock reading, never with 0).
+    (tmp_path / "queue" / "0_broken.q.msg").write_bytes(b"")
     queue.put({"n": 1})
     with caplog.at_level(logging.ERROR, logger="controlplane.batches"):
         message = queue.get(timeout=5)
