@@ -132,7 +132,8 @@ else:
             },
             # A file, not the default shared-cache memory database: live-server tests write from server
             # threads while the test reads, which shared-cache SQLite answers with "table is locked".
-            "TEST": {"NAME": str(DATA_DIR / "test-hearth.sqlite3")},
+            # HEARTH_TEST_SQLITE_PATH lets two test runs share a checkout without sharing a database.
+            "TEST": {"NAME": os.environ.get("HEARTH_TEST_SQLITE_PATH") or str(DATA_DIR / "test-hearth.sqlite3")},
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.contrib.auth import views as auth_views
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
-from django.urls import path
+from django.urls import include, path
 
 from controlplane.accounts import views as accounts
 from controlplane.api import openapi
 from controlplane.api.views import healthz, metrics
 from controlplane.batches import views as batches
 from controlplane.catalog import views as catalog
-from controlplane.dashboard import views as dashboard
 from controlplane.serving import views_native as native
 from controlplane.serving import views_openai as openai
 from controlplane.usage import views as usage
@@ -47,12 +45,7 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics, name="metrics"),
     path("admin/", admin.site.urls),
-    path("dashboard/", dashboard.home, name="dashboard"),
-    path("dashboard/login/", auth_views.LoginView.as_view(template_name="dashboard/login.html",
-                                                          redirect_authenticated_user=True), name="login"),
-    path("dashboard/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("dashboard/<str:account_id>/", dashboard.overview, name="dashboard-overview"),
-    path("dashboard/<str:account_id>/keys/", dashboard.keys, name="dashboard-keys"),
+    path("dashboard/", include("controlplane.dashboard.urls")),
     path("api/schema/", openapi.schema_view, name="api-schema"),
     path("api/docs/", openapi.docs_view, name="api-docs"),
     path("client/v4/accounts", accounts.list_accounts, name="accounts"),

@@ -10,9 +10,7 @@ import threading
 import time
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
-
+from controlplane.api import layer
 from controlplane.batches.models import Batch
 
 log = logging.getLogger("controlplane.batches")
@@ -44,9 +42,4 @@ def publish(batch: Batch, *, throttle: bool = False) -> None:
             _last_sent.pop(batch.pk, None)
         else:
             _last_sent[batch.pk] = now
-    try:
-        layer = get_channel_layer()
-        if layer is not None:
-            async_to_sync(layer.group_send)(group_name(batch.account_id), progress(batch))
-    except Exception:
-        log.warning("could not publish progress of batch %s", batch.pk, exc_info=True)
+    layer.group_send(group_name(batch.account_id), progress(batch))

@@ -196,7 +196,7 @@ async def _generate(p: Plan, started: float) -> Outcome:
                                     priority=Priority.BATCH, speculation=pipeline.resolve_speculation(
                                         p.entry, getattr(body, "speculation", None)),
                                     kv_compression=pipeline.resolve_kv_compression(
-                                        getattr(body, "kv_compression", None)))
+                                        getattr(body, "kv_compression", None), p.entry))
         if params.logprobs is None:
             final = await backend.generate(model, request)
         else:

@@ -29,8 +29,9 @@ PARTIAL_SUFFIX = ".part"  # the consumer only takes names ending in ".<queue>.ms
 
 class Channel(filesystem.Channel):
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
-        # Same naming as kombu (milliseconds first, so the consumer's sorted listing stays first in, first out).
-        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        # Milliseconds first, so the consumer's sorted listing is first in, first out. Zero-padded (kombu's own
+        # names are not): names sort as text, and "9999_…" would otherwise come after "10000_…".
+        name = f"{round(time.monotonic() * 1000):015d}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         partial = final + PARTIAL_SUFFIX
         try:

@@ -190,6 +190,7 @@ def cancel_batch(account_id: str, batch_id: str) -> Batch:
         stop_unstarted(batch, ItemStatus.CANCELLED, "batch_cancelled", "The batch was cancelled before this "
                         "request ran", now)
         Batch.objects.filter(pk=batch.pk).update(status=Status.CANCELLING, cancelling_at=now)
+    events.publish(Batch.objects.get(pk=batch.pk))  # while running items finish, watchers see `cancelling`
     finish_if_drained(batch.pk)
     return Batch.objects.get(pk=batch.pk)
 

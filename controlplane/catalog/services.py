@@ -7,17 +7,21 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from datetime import date
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
 from controlplane.catalog.models import AiModel, Price, Task
+from inference.compression import KVCompressionSettings
 from inference.config import EngineConfig
+from inference.errors import InvalidRequestError
+from inference.spec.settings import MAX_SPECULATIVE_TOKENS, SpecMode
 
 _VERSION_KEY = "catalog:version"
 _MILLION = Decimal(1_000_000)
@@ -141,6 +145,16 @@ class ModelEntry:
         return {"mode": settings["speculation"], "k": settings["num_speculative_tokens"],
                 "draft_model": settings["draft_model"]}
 
+    @property
+    def kv_compression(self) -> dict[str, Any] | None:
+        """The model's default KV compression ({"rate": R} or {"max_cache_tokens": N}), None when it has none."""
+        settings = dict(self.engine_settings)
+        if settings.get("kv_compression_rate") is not None:
+            return {"rate": settings["kv_compression_rate"]}
+        if settings.get("kv_compression_max_tokens") is not None:
+            return {"max_cache_tokens": settings["kv_compression_max_tokens"]}
+        return None
+
     def listing(self, now: float) -> dict[str, Any]:
         """The OpenAI-style model object with Hearth's catalog facts and current price attached."""
         price = self.price_at(now)
@@ -245,6 +259,73 @@ def set_price(model: AiModel, *, input_neurons: Decimal | float, cached_input_ne
     price.full_clean()
     price.save()
     return price
+
+
+# A price effective "now" is stamped when the form is processed; one given a moment earlier (the operator's clock,
+# the form's minute resolution) is still now, but anything further back would reprice usage already charged.
+PAST_PRICE_GRACE = timedelta(minutes=1)
+
+
+def change_price(model: AiModel, *, input_neurons: Decimal, cached_input_neurons: Decimal, output_neurons: Decimal,
+                 usd_per_1k_neurons: Decimal | None = None, batch_discount_percent: Decimal | None = None,
+                 effective_at: datetime | None = None, note: str = "") -> Price:
+    """An operator's price change: a new row effective now or later, never earlier (usage already charged keeps
+    its price). ValidationError for a time in the past, a negative rate, a discount over 100 or a clash with
+    another price of the model at the same instant; nothing is written then."""
+    now = timezone.now()
+    if effective_at is not None and effective_at < now - PAST_PRICE_GRACE:
+        raise ValidationError({"effective_at": "must be now or in the future: usage already charged keeps "
+                                               "the price it was charged at"})
+    return set_price(model, input_neurons=input_neurons, cached_input_neurons=cached_input_neurons,
+                     output_neurons=output_neurons, usd_per_1k_neurons=usd_per_1k_neurons,
+                     batch_discount_percent=batch_discount_percent,
+                     effective_at=max(effective_at, now) if effective_at else now, note=note.strip()[:200])
+
+
+_KV_DEFAULT_KEYS = ("kv_compression_rate", "kv_compression_max_tokens")
+
+
+def set_engine_defaults(model: AiModel, *, speculation: str, k: int,
+                        kv_compression: dict[str, Any] | None) -> AiModel:
+    """Set what a request that does not ask gets: speculation (mode and k) and KV compression ({"rate": R},
+    {"max_cache_tokens": N}, or None for none). Requests pass these to the engine explicitly (see
+    serving.pipeline), so the next request uses them without an engine restart. Other engine settings are kept.
+    ValidationError (nothing written) for an unknown mode, k outside [1, 16], draft without a draft model, or a
+    bad compression value."""
+    problems: dict[str, str] = {}
+    if speculation not in [m.value for m in SpecMode]:
+        problems["speculation"] = f"must be one of {', '.join(m.value for m in SpecMode)}"
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        problems["k"] = f"must be a whole number from 1 to {MAX_SPECULATIVE_TOKENS}"
+    kv: KVCompressionSettings | None = None
+    if kv_compression is not None:
+        try:
+            kv = KVCompressionSettings.parse(kv_compression)
+        except InvalidRequestError as exc:
+            problems["kv_compression"] = str(exc)
+    if problems:
+        raise ValidationError(problems)
+    with transaction.atomic():
+        # Re-read under a row lock: an edit of other settings (admin, another operator) must not be lost.
+        row = AiModel.objects.select_for_update().get(pk=model.pk)
+        chosen = {key: value for key, value in (row.engine_settings or {}).items() if key not in _KV_DEFAULT_KEYS}
+        if speculation == SpecMode.DRAFT and not chosen.get("draft_model"):
+            raise ValidationError({"speculation": f"draft needs a draft model, and {row.name} has none; "
+                                                  "choose ngram or off"})
+        chosen.update(speculation=speculation, num_speculative_tokens=k)
+        if kv is not None and kv.rate is not None:
+            chosen["kv_compression_rate"] = kv.rate
+        elif kv is not None:
+            chosen["kv_compression_max_tokens"] = kv.max_cache_tokens
+        known = {f.name for f in fields(EngineConfig)}
+        try:
+            EngineConfig(**{key: value for key, value in chosen.items() if key in known})
+        except (InvalidRequestError, TypeError) as exc:
+            raise ValidationError(f"these engine settings would not load: {exc}") from None
+        row.engine_settings = chosen
+        row.save(update_fields=["engine_settings", "updated_at"])
+    model.engine_settings = chosen
+    return row
 
 
 def seed(models: Iterable[Any], *, log: Callable[[str], None] = print) -> list[AiModel]:

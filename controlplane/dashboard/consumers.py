@@ -12,9 +12,12 @@ from django.utils import timezone
 
 from controlplane.accounts.models import Account
 from controlplane.accounts.services import user_can_access
+from controlplane.api import layer
 from controlplane.dashboard import live, stats
 
 BURST_S = 0.2  # a notice is followed by others in a burst: read once they have landed
+# Engine gauges (KV-cache use, queue) move without any usage event: an open overview re-reads this often anyway.
+TICK_S = 5.0
 
 
 @database_sync_to_async
@@ -24,7 +27,8 @@ def _snapshot(account_id: str) -> dict[str, Any] | None:
 
 
 @database_sync_to_async
-def _allowed(user: Any, account_id: str) -> bool:
+def may_watch(user: Any, account_id: str) -> bool:
+    """A signed-in member of the account, or an operator: who may open any of the account's sockets."""
     return bool(user is not None and user.is_authenticated and user_can_access(user, account_id))
 
 
@@ -34,17 +38,21 @@ class OverviewConsumer(AsyncJsonWebsocketConsumer):
         self.group = None
         self._dirty = False
         self._refresher: asyncio.Task | None = None
-        if not await _allowed(self.scope.get("user"), self.account_id):
+        self._ticker: asyncio.Task | None = None
+        if not await may_watch(self.scope.get("user"), self.account_id):
             await self.close(code=4403)
             return
+        layer.remember_server_loop()
         self.group = live.group_name(self.account_id)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         await self._send_snapshot()
+        self._ticker = asyncio.create_task(self._tick())
 
     async def disconnect(self, code: int) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in (self._refresher, self._ticker):
+            if task is not None:
+                task.cancel()
         if self.group is not None:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -62,6 +70,12 @@ class OverviewConsumer(AsyncJsonWebsocketConsumer):
             await self._send_snapshot()
             await asyncio.sleep(live.REREAD_AFTER_S)
             await self._send_snapshot()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            if self._refresher is None or self._refresher.done():
+                await self._send_snapshot()
 
     async def _send_snapshot(self) -> None:
         snapshot = await _snapshot(self.account_id)

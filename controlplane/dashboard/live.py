@@ -13,8 +13,7 @@ import threading
 import time
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
+from controlplane.api import layer
 
 log = logging.getLogger("controlplane.dashboard")
 EVENT_TYPE = "usage.changed"
@@ -34,9 +33,4 @@ def notify(account_id: str, **_: Any) -> None:
         if now - _last.get(account_id, float("-inf")) < NOTICE_INTERVAL_S:
             return
         _last[account_id] = now
-    try:
-        layer = get_channel_layer()
-        if layer is not None:
-            async_to_sync(layer.group_send)(group_name(account_id), {"type": EVENT_TYPE})
-    except Exception:
-        log.warning("could not send a usage notice for account %s", account_id, exc_info=True)
+    layer.group_send(group_name(account_id), {"type": EVENT_TYPE})

@@ -24,7 +24,7 @@ from controlplane.dashboard import stats
 MAX_EXPIRY_DAYS = 36_500
 
 
-def _account(request: HttpRequest, account_id: str) -> tuple[Account, list[Account]]:
+def account_or_404(request: HttpRequest, account_id: str) -> tuple[Account, list[Account]]:
     """The account being looked at, if the user may see it (else 404: its existence is not the user's business),
     and the accounts the switcher offers."""
     if not user_can_access(request.user, account_id):
@@ -42,7 +42,7 @@ def home(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def overview(request: HttpRequest, account_id: str) -> HttpResponse:
-    account, accounts = _account(request, account_id)
+    account, accounts = account_or_404(request, account_id)
     return render(request, "dashboard/overview.html", {
         "account": account, "accounts": accounts, "page": "overview",
         "snapshot": stats.overview(account, timezone.now())})
@@ -53,7 +53,7 @@ def overview(request: HttpRequest, account_id: str) -> HttpResponse:
 def keys(request: HttpRequest, account_id: str) -> HttpResponse:
     """The account's API keys. Owners and operators create and revoke; a new key's secret is shown once, in
     the response to its creation, and exists nowhere else afterwards."""
-    account, accounts = _account(request, account_id)
+    account, accounts = account_or_404(request, account_id)
     manage = user_can_access(request.user, account_id, manage=True)
     context: dict = {"account": account, "accounts": accounts, "page": "keys", "manage": manage}
     status = 200

@@ -17,9 +17,10 @@ from datetime import datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.utils import timezone
 
-from controlplane.accounts.models import ApiKey
+from controlplane.accounts.models import Account, ApiKey
 from controlplane.accounts.services import KeyContext, authenticate_key, parse_bearer
 from controlplane.api import errors
 from controlplane.api.auth import require_account, require_permission
@@ -32,6 +33,7 @@ from controlplane.api.metrics import (
     TOKENS,
     TTFT,
 )
+from controlplane.catalog.models import Task
 from controlplane.catalog.services import ModelEntry, PriceSnapshot, get_model
 from controlplane.serving.dispatch import Backend, EmbeddingResult, get_backend
 from controlplane.usage import limits
@@ -51,8 +53,14 @@ class Admission:
     arrived_at: datetime
     adapter: str
     body: Any
-    speculation: SpeculationSettings | None = None  # None: the model's default
-    kv_compression: KVCompressionSettings | None = None  # None: the model's default
+    speculation: SpeculationSettings | None = None  # None: the engine's start-up default
+    kv_compression: KVCompressionSettings | None = None  # None: the engine's start-up default
+    session: bool = False  # a signed-in user's request (the dashboard's playground), not an API key's
+
+    @property
+    def key_id(self) -> str | None:
+        """The API key the usage is metered to; None for a session's request."""
+        return None if self.session else self.ctx.key_id
 
 
 def resolve_adapter(ctx: KeyContext, entry: ModelEntry, lora: str | None) -> str:
@@ -66,13 +74,27 @@ def resolve_adapter(ctx: KeyContext, entry: ModelEntry, lora: str | None) -> str
                    openai_code="adapter_not_found", param="lora")
 
 
+def default_speculation(entry: ModelEntry) -> SpeculationSettings | None:
+    """The catalog's current default, passed to the engine with each request: an engine reads its own default
+    only when it loads, and an operator's edit must apply to the next request, not the next restart. None for
+    settings edited by hand into something no engine loads (the engine's own default applies then)."""
+    default = entry.speculation
+    if default["mode"] == SpecMode.DRAFT and not default["draft_model"]:
+        return None
+    try:
+        return SpeculationSettings(default["mode"], default["k"])
+    except InvalidRequestError:
+        return None
+
+
 def resolve_speculation(entry: ModelEntry, value: Any) -> SpeculationSettings | None:
     """A request's `speculation` ("off" | "ngram" | "draft", or {mode, k}) checked against the model; k defaults
-    to the model's own. 400 for a bad mode or k, or for draft on a model that has no draft model."""
+    to the model's own, and no `speculation` at all means the model's current default. 400 for a bad mode or
+    k, or for draft on a model that has no draft model."""
     if value is None:
-        return None
-    mode, k = (value, None) if isinstance(value, str) else (value.mode, value.k)
+        return default_speculation(entry)
     default = entry.speculation
+    mode, k = (value, None) if isinstance(value, str) else (value.mode, value.k)
     try:
         settings = SpeculationSettings(mode, default["k"] if k is None else k)  # type: ignore[arg-type]
     except InvalidRequestError as exc:
@@ -83,10 +105,21 @@ def resolve_speculation(entry: ModelEntry, value: Any) -> SpeculationSettings | 
     return settings
 
 
-def resolve_kv_compression(value: Any) -> KVCompressionSettings | None:
-    """A request's `kv_compression` ({rate} or {max_cache_tokens}); 400 unless exactly one, in range."""
+# What "no compression" is when said explicitly: an engine started with a default would otherwise apply it.
+KV_COMPRESSION_OFF = KVCompressionSettings(rate=1.0)
+
+
+def resolve_kv_compression(value: Any, entry: ModelEntry | None = None) -> KVCompressionSettings | None:
+    """A request's `kv_compression` ({rate} or {max_cache_tokens}); 400 unless exactly one, in range. Without
+    one, the model's current catalog default (explicitly off when it has none), when the entry is given: like
+    speculation, an edited default must not wait for an engine restart."""
     if value is None:
-        return None
+        if entry is None:
+            return None
+        try:
+            return KVCompressionSettings.parse(entry.kv_compression) if entry.kv_compression else KV_COMPRESSION_OFF
+        except InvalidRequestError:
+            return None
     try:
         return KVCompressionSettings.parse(value.model_dump(exclude_none=True))
     except InvalidRequestError as exc:
@@ -116,12 +149,50 @@ def admit(auth_header: str | None, *, account_id: str | None, model: str | None,
         raise errors.invalid(f"{entry.name} is a {entry.task} model and cannot serve this route", "model")
     adapter = resolve_adapter(ctx, entry, lora(parsed))
     speculation = resolve_speculation(entry, getattr(parsed, "speculation", None))
-    kv_compression = resolve_kv_compression(getattr(parsed, "kv_compression", None))
+    kv_compression = resolve_kv_compression(getattr(parsed, "kv_compression", None), entry)
     now = timezone.now()
     check_account_limits(ctx, now)
     limits.check_rate(ctx, now.timestamp())
     return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now,
                      adapter=adapter, body=parsed, speculation=speculation, kv_compression=kv_compression)
+
+
+def session_context(account: Account, user_id: int) -> KeyContext:
+    """The principal of a signed-in user's request on an account: the account's limits, the default per-minute
+    limits counted per user (in a namespace no key id can collide with), every model, no key."""
+    return KeyContext(
+        key_id=f"session-user-{user_id}", key_name="dashboard session", prefix="", account_id=account.pk,
+        account_name=account.name, permission=ApiKey.Permission.RUN, allowed_models=(),
+        requests_per_minute=int(settings.HEARTH_DEFAULT_REQUESTS_PER_MINUTE),
+        tokens_per_minute=int(settings.HEARTH_DEFAULT_TOKENS_PER_MINUTE), expires_at=None,
+        paid_plan=account.paid_plan, free_neurons_per_day=account.free_neurons_per_day,
+        monthly_budget_usd=account.monthly_budget_usd)
+
+
+def admit_for_account(account_id: str, user_id: int, *, model: str, body: Callable[[ModelEntry], Any],
+                      task: str | None = Task.TEXT_GENERATION) -> Admission:
+    """admit() for a signed-in user instead of an API key (the caller has checked the user may act for the
+    account): the same model, body and default checks, the account's free allocation and budget, and per-user
+    rate limits. Its usage is billed to the account with no key."""
+    account = Account.objects.filter(pk=account_id).first()
+    if account is None:
+        raise errors.not_found(f"No account {account_id}")
+    if not account.is_active:
+        raise errors.forbidden("This account is disabled")
+    ctx = session_context(account, user_id)
+    entry = get_model(model)
+    if entry is None or not entry.installed:
+        raise errors.unknown_model(model)
+    if task is not None and entry.task != task:
+        raise errors.invalid(f"{entry.name} is a {entry.task} model and cannot serve this route", "model")
+    parsed = body(entry)
+    speculation = resolve_speculation(entry, getattr(parsed, "speculation", None))
+    kv_compression = resolve_kv_compression(getattr(parsed, "kv_compression", None), entry)
+    now = timezone.now()
+    check_account_limits(ctx, now)
+    limits.check_rate(ctx, now.timestamp())
+    return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now, adapter="",
+                     body=parsed, speculation=speculation, kv_compression=kv_compression, session=True)
 
 
 def commit_usage(adm: Admission, rec: UsageRecord) -> None:
@@ -298,7 +369,7 @@ class Generation:
         spec = (self.final.speculation if self.final is not None else None) or {}
         now = time.monotonic()
         return UsageRecord(
-            account_id=self.adm.ctx.account_id, key_id=self.adm.ctx.key_id, model=self.model, route=self.route,
+            account_id=self.adm.ctx.account_id, key_id=self.adm.key_id, model=self.model, route=self.route,
             status=status, http_status=error.status if error else 200,
             error_code=error.wire_code if error else "", adapter=self.adm.adapter,
             request_id=self.request.request_id if self.request else "", source=Source.INTERACTIVE,
@@ -322,7 +393,7 @@ async def embed(adm: Admission, texts: list[str], *, route: str, session_affinit
 
     def rec(status: str, error: ApiError | None, tokens: int) -> UsageRecord:
         return UsageRecord(
-            account_id=adm.ctx.account_id, key_id=adm.ctx.key_id, model=adm.entry.name, route=route,
+            account_id=adm.ctx.account_id, key_id=adm.key_id, model=adm.entry.name, route=route,
             status=status, http_status=error.status if error else 200,
             error_code=error.wire_code if error else "", request_id=f"req-{uuid.uuid4().hex}",
             input_tokens=tokens, latency_ms=(time.monotonic() - started) * 1000,

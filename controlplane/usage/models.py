@@ -7,6 +7,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import Account, ApiKey
 from controlplane.catalog.models import Price
+from controlplane.usage import histogram
 
 
 class Source(models.TextChoices):
@@ -53,6 +54,9 @@ class UsageEvent(models.Model):
         indexes = [
             models.Index(fields=["account", "-created_at"]),
             models.Index(fields=["account", "model", "-created_at"]),
+            # The request log filtered by status: errors and aborts are rare, and a walk of the time index
+            # looking for them would pass a great many rows.
+            models.Index(fields=["account", "status", "-created_at"]),
         ]
 
     def __str__(self) -> str:
@@ -80,6 +84,17 @@ class Rollup(models.Model):
 
     class Meta:
         abstract = True
+
+
+# One count per latency / TTFT bucket (histogram.py): p50 and p95 come from summing rollups, never from events.
+# A database default because the upsert names only the columns a request adds to.
+for _name in (*histogram.LATENCY_FIELDS, *histogram.TTFT_FIELDS):
+    Rollup.add_to_class(_name, models.IntegerField(default=0, db_default=0))
+
+# Every additive column of a rollup row: what a report or chart sums over a set of rows.
+ROLLUP_SUMS = ("requests", "errors", "input_tokens", "cached_input_tokens", "output_tokens", "spec_proposed",
+               "spec_accepted", "neurons", "cost_usd", "latency_ms_sum", "ttft_ms_sum", "ttft_count",
+               *histogram.LATENCY_FIELDS, *histogram.TTFT_FIELDS)
 
 
 class UsageMinute(Rollup):

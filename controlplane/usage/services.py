@@ -17,6 +17,7 @@ from django.utils import timezone
 from controlplane.accounts.services import KeyContext
 from controlplane.api import errors
 from controlplane.catalog.services import PriceSnapshot, get_model
+from controlplane.usage import histogram
 from controlplane.usage.models import Source, Status, UsageDay, UsageEvent, UsageMinute
 
 log = logging.getLogger("controlplane.usage")
@@ -79,6 +80,18 @@ def _bump(model: type[Model], lookup: dict[str, Any], deltas: dict[str, Any]) ->
         cursor.execute(_upsert_sql(model, tuple(lookup), tuple(deltas)), values)
 
 
+def charge(price: PriceSnapshot | None, input_tokens: int, cached_input_tokens: int, output_tokens: int, *,
+           batch: bool = False) -> tuple[Decimal, Decimal]:
+    """Neurons and dollars for these tokens at this price, rounded as events store them (no price: nothing)."""
+    if price is None:
+        return _ZERO, _ZERO
+    neurons = price.neurons(input_tokens, min(cached_input_tokens, input_tokens), output_tokens)
+    if batch:
+        neurons = neurons * (100 - price.batch_discount()) / 100
+    cost = price.cost_usd(neurons)
+    return neurons.quantize(Decimal("0.000001")), cost.quantize(Decimal("0.0000000001"))
+
+
 def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
     """Write one usage event and fold it into the minute and day rollups, in one transaction.
 
@@ -93,12 +106,8 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
     tokens_in = rec.input_tokens if billable else 0
     tokens_cached = min(rec.cached_input_tokens, tokens_in) if billable else 0
     tokens_out = rec.output_tokens if billable else 0
-    neurons = price.neurons(tokens_in, tokens_cached, tokens_out) if price and billable else _ZERO
-    if price is not None and rec.source == Source.BATCH:
-        neurons = neurons * (100 - price.batch_discount()) / 100
-    cost = price.cost_usd(neurons) if price and billable else _ZERO
-    neurons = neurons.quantize(Decimal("0.000001"))
-    cost = cost.quantize(Decimal("0.0000000001"))
+    neurons, cost = charge(price if billable else None, tokens_in, tokens_cached, tokens_out,
+                           batch=rec.source == Source.BATCH)
     key_id = rec.key_id or ""
     with transaction.atomic():
         event = UsageEvent.objects.create(
@@ -115,6 +124,7 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
             "spec_proposed": rec.spec_proposed, "spec_accepted": rec.spec_accepted,
             "neurons": neurons, "cost_usd": cost, "latency_ms_sum": rec.latency_ms,
             "ttft_ms_sum": rec.ttft_ms or 0.0, "ttft_count": 1 if rec.ttft_ms is not None else 0,
+            **histogram.deltas(rec.latency_ms, rec.ttft_ms),
         }
         common = {"account_id": rec.account_id, "model": rec.model, "key_id": key_id}
         utc = created.astimezone(UTC)

@@ -4,11 +4,14 @@
   const script = document.currentScript;
   const initial = JSON.parse(document.getElementById("overview-snapshot").textContent);
   const state = document.getElementById("live-state");
-  const pct = (x) => (x === null || x === undefined ? "–" : (x * 100).toFixed(1) + "%");
-  const ms = (x) => (x === null || x === undefined ? "–" : Math.round(x) + " ms");
+  const none = (x) => x === null || x === undefined;
+  const pct = (x) => (none(x) ? "–" : (x * 100).toFixed(1) + "%");
+  const ms = (x) => (none(x) ? "–" : x < 10 ? x.toFixed(1) : String(Math.round(x)));
+  const pair = (a, b) => (none(a) ? "–" : b >= 1000 ? (a / 1000).toFixed(2) + " / " + (b / 1000).toFixed(2) + " s"
+                                                  : ms(a) + " / " + ms(b) + " ms");
   const set = (id, text) => { document.getElementById(id).textContent = text; };
 
-  const chart = new Chart(document.getElementById("usage-chart"), {
+  const traffic = new Chart(document.getElementById("usage-chart"), {
     type: "bar",
     data: {
       labels: initial.series.labels,
@@ -28,26 +31,63 @@
     },
   });
 
+  const line = (label, color, dash) => ({ label, data: [], borderColor: color, backgroundColor: color, pointRadius: 2,
+                                          spanGaps: true, borderDash: dash || [] });
+  const latency = new Chart(document.getElementById("latency-chart"), {
+    type: "line",
+    data: { labels: [], datasets: [line("p50 latency", "#3b6fb6"), line("p95 latency", "#b3261e"),
+                                   line("p95 time to first token", "#e8772e", [4, 3])] },
+    options: {
+      animation: false, maintainAspectRatio: false, interaction: { mode: "index", intersect: false },
+      scales: { x: { ticks: { maxTicksLimit: 8 } }, y: { beginAtZero: true, title: { display: true, text: "ms" } } },
+    },
+  });
+
+  function renderEngines(engines) {
+    const body = document.querySelector("#engines tbody");
+    body.replaceChildren(...engines.map((e) => {
+      const row = document.createElement("tr");
+      const meter = document.createElement("meter");
+      meter.min = 0; meter.max = 1; meter.value = e.kv_usage;
+      const cells = [e.model, null, e.running, e.queue_depth, e.tokens_per_s.toFixed(1)].map((text) => {
+        const td = document.createElement("td");
+        if (text !== null) td.textContent = text;
+        return td;
+      });
+      cells[1].append(meter, " " + Math.round(e.kv_usage * 100) + "%");
+      row.append(...cells);
+      return row;
+    }));
+    document.getElementById("engines-empty").hidden = engines.length > 0;
+  }
+
   function render(s) {
+    const t = s.today;
     set("t-rpm", s.now.requests_per_min);
     set("t-tpm", s.now.tokens_per_min);
-    set("t-requests", s.today.requests);
-    set("t-neurons", s.today.neurons.toFixed(1));
-    set("t-free", s.today.free_neurons);
+    set("t-requests", t.requests);
+    set("t-neurons", t.neurons.toFixed(1));
     const meter = document.getElementById("t-neuron-meter");
-    meter.max = s.today.free_neurons; meter.value = s.today.neurons;
-    set("t-cost", "$" + s.today.cost_usd.toFixed(4));
-    set("t-errors", pct(s.today.error_rate));
-    set("t-latency", ms(s.today.mean_latency_ms));
-    set("t-ttft", ms(s.today.mean_ttft_ms));
-    set("t-cache", pct(s.today.prefix_cache_hit_rate));
-    set("t-spec", pct(s.today.spec_acceptance));
-    document.getElementById("chart-empty").hidden = s.today.requests > 0;
-    chart.data.labels = s.series.labels;
-    chart.data.datasets[0].data = s.series.requests;
-    chart.data.datasets[1].data = s.series.tokens;
-    chart.update();
-    document.body.dataset.requestsToday = s.today.requests;  // what the browser tests wait on
+    meter.max = t.free_neurons; meter.value = t.neurons; meter.hidden = t.paid_plan;
+    set("t-free-note", t.paid_plan ? "paid plan" : "of " + t.free_neurons + " free");
+    set("t-cost", "$" + t.cost_usd.toFixed(4));
+    set("t-errors", pct(t.error_rate));
+    set("t-latency", pair(t.p50_latency_ms, t.p95_latency_ms));
+    set("t-ttft", pair(t.p50_ttft_ms, t.p95_ttft_ms));
+    set("t-cache", pct(t.prefix_cache_hit_rate));
+    set("t-spec", pct(t.spec_acceptance));
+    document.getElementById("chart-empty").hidden = t.requests > 0;
+    traffic.data.labels = s.series.labels;
+    traffic.data.datasets[0].data = s.series.requests;
+    traffic.data.datasets[1].data = s.series.tokens;
+    traffic.update();
+    latency.data.labels = s.series.labels;
+    latency.data.datasets[0].data = s.series.p50_latency_ms;
+    latency.data.datasets[1].data = s.series.p95_latency_ms;
+    latency.data.datasets[2].data = s.series.p95_ttft_ms;
+    latency.update();
+    renderEngines(s.engines);
+    document.body.dataset.requestsToday = t.requests;  // what the browser tests wait on
   }
 
   function connect(delay) {

@@ -138,3 +138,38 @@ def batch_worker(batch_queue, backend, django_db_setup, django_db_blocker) -> It
     yield worker
     with django_db_blocker.unblock():
         worker.stop()
+
+
+# ---------------------------------------------------------------------------------------------- browser
+@pytest.fixture
+def browser():
+    """Debian's headless Chromium under Playwright (never a downloaded browser)."""
+    import shutil
+
+    from browser_support import CHROMIUM, CHROMIUM_ARGS
+
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"Chromium is not installed at {CHROMIUM} (Debian package `chromium`; .ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def browser_tenant(live_server_url) -> Tenant:
+    """An account with a key and an owner who signs in (browser_support.USER). Rows are made before the browser
+    starts: Playwright's sync API runs an event loop in this thread, and Django refuses database calls from a
+    thread with a running loop."""
+    from browser_support import PASSWORD, USER
+    from django.contrib.auth import get_user_model
+
+    from controlplane.accounts.models import Membership
+
+    catalog_services.seed(BUNDLED_MODELS.values(), log=lambda line: None)
+    tenant = make_tenant("browser")
+    user = get_user_model().objects.create_user(USER, password=PASSWORD)
+    Membership.objects.create(account=tenant.account, user=user, role=Membership.Role.OWNER)
+    return tenant

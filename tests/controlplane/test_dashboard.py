@@ -66,6 +66,34 @@ def test_overview_figures_come_from_the_rollups(priced, tenant, other_tenant):
     assert today["prefix_cache_hit_rate"] == 25 / 250  # a failed request bills (and counts) no tokens
     assert today["spec_acceptance"] == 0.7
     assert today["free_neurons"] == tenant.account.free_neurons_per_day and today["neurons"] > 0
+    step = 2 ** 0.5  # the histogram's bucket width: every request took 40 ms, its first token came at 10 ms
+    assert 40 / step <= today["p50_latency_ms"] <= today["p95_latency_ms"] <= 40 * step
+    assert 10 / step <= today["p50_ttft_ms"] <= today["p95_ttft_ms"] <= 10 * step
+    latency = s["series"]["p95_latency_ms"]
+    assert 40 / step <= latency[-1] <= 40 * step and latency[-2] is None  # a minute without requests has none
+
+
+@pytest.mark.real_model
+@pytest.mark.django_db
+def test_the_overview_shows_each_loaded_engines_kv_cache(backend, tenant):
+    from controlplane.serving.dispatch import set_backend
+
+    previous = set_backend(None)
+    try:
+        assert stats.engines() == []  # no backend yet: nothing is loaded just to be looked at
+    finally:
+        set_backend(previous)
+    web = Client()
+    answer = web.post(tenant.run_url + CHAT_MODEL, {"prompt": "Hi", "max_tokens": 2},
+                      content_type="application/json", **tenant.auth)
+    assert answer.status_code == 200
+    engines = {e["model"]: e for e in stats.overview(tenant.account, timezone.now())["engines"]}
+    engine = engines[CHAT_MODEL]
+    assert engine["kv_blocks_total"] > 0 and 0 <= engine["kv_blocks_free"] <= engine["kv_blocks_total"]
+    assert engine["kv_usage"] == pytest.approx(1 - engine["kv_blocks_free"] / engine["kv_blocks_total"], abs=1e-6)
+    web.force_login(member(tenant))
+    page = web.get(f"/dashboard/{tenant.account.pk}/")
+    assert f"<td>{CHAT_MODEL}</td>".encode() in page.content
 
 
 @pytest.mark.django_db
@@ -101,6 +129,8 @@ def test_operators_switch_between_every_account(tenant, other_tenant):
     page = web.get(f"/dashboard/{other_tenant.account.pk}/")
     assert page.status_code == 200 and b"account-switcher" in page.content
     assert tenant.account.name.encode() in page.content and other_tenant.account.name.encode() in page.content
+    keys = web.get(f"/dashboard/{other_tenant.account.pk}/keys/")  # switching keeps the page
+    assert f'<option value="/dashboard/{tenant.account.pk}/keys/"'.encode() in keys.content
 
 
 @pytest.mark.django_db
@@ -169,6 +199,49 @@ async def _live_update_arrives(tenant, cookie: str) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_the_socket_pushes_a_new_snapshot_when_usage_lands(tenant):
     asyncio.run(_live_update_arrives(tenant, _session(member(tenant))))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_notice_from_a_worker_thread_wakes_the_socket_at_once(tenant):
+    """A batch worker's thread has no event loop of its own: its notice must be handed to the server's loop, not
+    sent on a private loop that the in-memory layer's waiting consumer never hears from (the loop here has no
+    periodic wake-up that would hide it)."""
+    import threading
+
+    from controlplane.dashboard import live
+
+    cookie = _session(member(tenant))
+
+    async def go() -> None:
+        socket, connected, _ = await _connect(tenant.account.pk, cookie)
+        assert connected
+        await socket.receive_json_from(timeout=10)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        threading.Thread(target=live.notify, args=(tenant.account.pk,)).start()
+        await socket.receive_json_from(timeout=2)  # the re-read BURST_S after the notice
+        assert loop.time() - started < 1.0
+        await socket.disconnect()
+
+    asyncio.run(go())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_open_socket_refreshes_without_usage_for_the_engine_gauges(tenant, monkeypatch):
+    from controlplane.dashboard import consumers
+
+    monkeypatch.setattr(consumers, "TICK_S", 0.2)
+    cookie = _session(member(tenant))
+
+    async def go() -> None:
+        socket, connected, _ = await _connect(tenant.account.pk, cookie)
+        assert connected
+        first = await socket.receive_json_from(timeout=10)
+        second = await socket.receive_json_from(timeout=2)
+        assert second["data"]["generated_at"] > first["data"]["generated_at"] and "engines" in second["data"]
+        await socket.disconnect()
+
+    asyncio.run(go())
 
 
 @pytest.mark.django_db(transaction=True)

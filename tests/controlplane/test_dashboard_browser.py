@@ -3,88 +3,32 @@ real ASGI app and engine. Screenshots of each page land in tests/artifacts/scree
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 
-import httpx
 import pytest
-from cp_support import CHAT_MODEL, make_tenant
-from django.contrib.auth import get_user_model
+from browser_support import PASSWORD, USER, run_model, scroll_width, shot, sign_in
+from cp_support import CHAT_MODEL
 
-from controlplane.accounts.models import Membership
-from controlplane.catalog.services import seed
-from inference.models.catalog import BUNDLED_MODELS
-
-CHROMIUM = os.environ.get("HEARTH_CHROMIUM", "/usr/bin/chromium")
-SHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model, pytest.mark.browser]
 
 
-@pytest.fixture
-def browser():
-    if not shutil.which(CHROMIUM):
-        pytest.skip(f"Chromium is not installed at {CHROMIUM} (Debian package `chromium`; .ci/run installs it)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
-        yield chromium
-        chromium.close()
-
-
-def shot(page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
-
-
-@pytest.fixture
-def tenant(live_server_url):
-    """Rows made before the browser starts: Playwright's sync API runs an event loop in this thread, and Django
-    refuses database calls from a thread with a running loop."""
-    seed(BUNDLED_MODELS.values(), log=lambda line: None)
-    tenant = make_tenant("browser")
-    user = get_user_model().objects.create_user("grace", password="pw-grace")
-    Membership.objects.create(account=tenant.account, user=user, role=Membership.Role.OWNER)
-    return tenant
-
-
-def sign_in(browser, url: str):
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.goto(f"{url}/dashboard/login/")
-    page.fill("input[name=username]", "grace")
-    page.fill("input[name=password]", "pw-grace")
-    page.click("button[type=submit]")
-    page.wait_for_url("**/dashboard/*/")
-    return page
-
-
-def run_model(url: str, account_id: str, secret: str) -> httpx.Response:
-    return httpx.post(f"{url}/client/v4/accounts/{account_id}/ai/run/{CHAT_MODEL}",
-                      headers={"Authorization": f"Bearer {secret}"}, timeout=120,
-                      json={"prompt": "Say hello.", "max_tokens": 4, "temperature": 0})
-
-
-def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, tenant, browser):
+def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, browser_tenant, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(f"{live_server_url}/dashboard/")
     assert "/dashboard/login/" in page.url
-    page.fill("input[name=username]", "grace")
+    page.fill("input[name=username]", USER)
     page.fill("input[name=password]", "wrong")
     page.click("button[type=submit]")
     assert page.get_by_role("alert").inner_text().startswith("That username and password do not match")
     shot(page, "login-error")
-    page.fill("input[name=password]", "pw-grace")
+    page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
-    page.wait_for_url(f"**/dashboard/{tenant.account.pk}/")
+    page.wait_for_url(f"**/dashboard/{browser_tenant.account.pk}/")
     page.wait_for_selector("#live-state[data-state=live]", timeout=10_000)
     assert page.inner_text("#t-requests") == "0" and page.is_visible("#chart-empty")
     shot(page, "overview-empty")
 
-    response = run_model(live_server_url, tenant.account.pk, tenant.secret)
+    response = run_model(live_server_url, browser_tenant.account.pk, browser_tenant.secret)
     assert response.status_code == 200
     answered = time.monotonic()
     page.wait_for_selector("body[data-requests-today='1']", timeout=2_000)  # the promise: within 2 s
@@ -93,12 +37,14 @@ def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, 
     bars = page.evaluate("Chart.getChart('usage-chart').data.datasets[0].data")
     assert bars[-1] == 1 or bars[-2] == 1  # this minute (or the last, across a minute boundary)
     assert waited < 2
+    assert page.inner_text("#t-latency").endswith("s") and page.inner_text("#t-ttft").endswith("s")  # ms or s
+    assert page.locator("#engines td", has_text=CHAT_MODEL).count() == 1 and not page.is_visible("#engines-empty")
     shot(page, "overview-live")
 
     phone = browser.new_page(viewport={"width": 390, "height": 844})
     phone.context.add_cookies(page.context.cookies())
-    phone.goto(f"{live_server_url}/dashboard/{tenant.account.pk}/")
-    width = phone.evaluate("document.documentElement.scrollWidth")
+    phone.goto(f"{live_server_url}/dashboard/{browser_tenant.account.pk}/")
+    width = scroll_width(phone)
     assert width <= 390, f"the overview scrolls sideways on a phone ({width}px)"
     shot(phone, "overview-phone")
 
@@ -106,7 +52,7 @@ def test_sign_in_and_watch_an_api_request_reach_the_live_chart(live_server_url, 
     page.wait_for_url("**/dashboard/login/")
 
 
-def test_create_a_key_use_it_then_revoke_it_and_the_api_refuses_it(live_server_url, tenant, browser):
+def test_create_a_key_use_it_then_revoke_it_and_the_api_refuses_it(live_server_url, browser_tenant, browser):
     page = sign_in(browser, live_server_url)
     page.click("text=API keys")
     page.fill("input[name=name]", "from-the-browser")
@@ -118,7 +64,7 @@ def test_create_a_key_use_it_then_revoke_it_and_the_api_refuses_it(live_server_u
     page.click("button[data-copy=new-secret]")
     assert page.evaluate("navigator.clipboard.readText()") == secret
     shot(page, "keys-created")
-    assert run_model(live_server_url, tenant.account.pk, secret).status_code == 200
+    assert run_model(live_server_url, browser_tenant.account.pk, secret).status_code == 200
 
     page.click("text=API keys")  # the secret was shown once
     assert secret not in page.content()
@@ -127,5 +73,5 @@ def test_create_a_key_use_it_then_revoke_it_and_the_api_refuses_it(live_server_u
     page.wait_for_selector("tr[data-key=from-the-browser] td.status:has-text('revoked')")
     assert page.locator("tr[data-key=from-the-browser]").count() == 1
     shot(page, "keys-revoked")
-    refused = run_model(live_server_url, tenant.account.pk, secret)
+    refused = run_model(live_server_url, browser_tenant.account.pk, secret)
     assert refused.status_code == 401 and "revoked" in refused.json()["errors"][0]["message"]

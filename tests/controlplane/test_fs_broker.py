@@ -54,8 +54,8 @@ def test_a_message_being_written_is_invisible_to_the_consumer(conn, monkeypatch)
 def test_an_unreadable_message_file_is_dropped_and_the_next_one_delivered(conn, tmp_path, caplog):
     queue = conn.SimpleQueue("q")
     # What a crash mid-write (or old kombu) leaves, named to sort before any real message (those start with a
-    # millisecond clock reading, never with 0).
-    (tmp_path / "queue" / "0_broken.q.msg").write_bytes(b"")
+    # digit).
+    (tmp_path / "queue" / "!broken.q.msg").write_bytes(b"")
     queue.put({"n": 1})
     with caplog.at_level(logging.ERROR, logger="controlplane.batches"):
         message = queue.get(timeout=5)
@@ -63,6 +63,22 @@ def test_an_unreadable_message_file_is_dropped_and_the_next_one_delivered(conn, 
     message.ack()
     assert "unreadable message" in caplog.text
     assert not list((tmp_path / "queue").glob("*.msg"))
+    queue.close()
+
+
+def test_messages_stay_in_order_when_the_clock_gains_a_digit(conn, monkeypatch):
+    from controlplane.batches import fs_transport
+
+    queue = conn.SimpleQueue("order")
+    for n, seconds in enumerate((9.998, 9.999, 10.000, 10.001, 123.4)):  # 9998 ms ... 123400 ms
+        monkeypatch.setattr(fs_transport.time, "monotonic", lambda s=seconds: s)
+        queue.put({"n": n})
+    got = []
+    for _ in range(5):
+        message = queue.get(timeout=5)
+        got.append(message.payload["n"])
+        message.ack()
+    assert got == [0, 1, 2, 3, 4]
     queue.close()
 
 
