@@ -9,6 +9,7 @@ place where the dashboard's WebSocket routes plug in.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -45,8 +46,39 @@ API_PATHS = re.compile(r"^/(v1/|healthz$|metrics$|client/v4/accounts/[^/]+/ai/(r
 api_app = ApiASGIHandler()
 
 
+# Adapter uploads: Django's handler spools a whole body to a temporary file before any view runs, so a body
+# declared larger than an adapter may be is refused here, before a byte of it is read.
+UPLOAD_PATHS = re.compile(r"^/(client/v4/accounts/[^/]+/ai/finetunes|dashboard/[^/]+/adapters/)")
+UPLOAD_SLACK = 16 * 1024 * 1024  # the multipart framing and the form's other fields
+
+
+def _declared_length(scope: dict[str, Any]) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _too_large(send: Any, limit: int) -> None:
+    body = json.dumps({"success": False, "result": None, "messages": [], "errors": [
+        {"code": 3006, "message": f"Request is too large: an adapter upload may be at most {limit} bytes"}]}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 async def http_router(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    app = api_app if API_PATHS.match(scope.get("path", "")) else django_app
+    path = scope.get("path", "")
+    if UPLOAD_PATHS.match(path):
+        limit = int(settings.HEARTH_LORA_MAX_BYTES)
+        declared = _declared_length(scope)
+        if declared is not None and declared > limit + UPLOAD_SLACK:
+            await _too_large(send, limit)
+            return
+    app = api_app if API_PATHS.match(path) else django_app
     await app(scope, receive, send)
 
 

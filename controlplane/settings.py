@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "controlplane.usage",
     "controlplane.serving",
     "controlplane.batches",
+    "controlplane.adapters",
     "controlplane.dashboard",
 ]
 LOGIN_URL = "login"
@@ -206,6 +207,11 @@ STATIC_ROOT = Path(os.environ.get("STATIC_ROOT") or BASE_DIR / "staticfiles")
 # Embedded mode serves static files from the ASGI app itself; production puts a web server or CDN in front.
 HEARTH_SERVE_STATIC = env_bool("HEARTH_SERVE_STATIC", not PRODUCTION)
 
+# Uploaded files (LoRA adapters) go through Django's default storage: the local filesystem under the data dir
+# unless a deployment configures another backend in STORAGES (then several servers share one store).
+MEDIA_ROOT = Path(os.environ.get("HEARTH_MEDIA_ROOT") or DATA_DIR / "media").expanduser()
+MEDIA_URL = "/media/"  # never served: adapters are read by the engine, not downloaded
+
 # Request bodies up to the Workers AI limit (10 MB); larger ones are answered 413 / 3006.
 HEARTH_MAX_REQUEST_BYTES = env_int("HEARTH_MAX_REQUEST_BYTES", 10 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = HEARTH_MAX_REQUEST_BYTES
@@ -276,3 +282,9 @@ HEARTH_BATCH_DEFAULT_WINDOW_HOURS = env_int("HEARTH_BATCH_DEFAULT_WINDOW_HOURS",
 HEARTH_BATCH_RETENTION_HOURS = env_int("HEARTH_BATCH_RETENTION_HOURS", 30 * 24)
 # Batch usage is billed at this discount (percent off neurons) unless the model's price row sets its own.
 HEARTH_BATCH_DISCOUNT_PERCENT = Decimal(os.environ.get("HEARTH_BATCH_DISCOUNT_PERCENT", "0"))
+
+# --- LoRA adapters ----------------------------------------------------------------------------------------
+# Both files of an adapter together (an upload past it is cut off while streaming: 413 / 3006), and how many
+# adapters one account may keep (Workers AI's limits: 300 MB, 30).
+HEARTH_LORA_MAX_BYTES = env_int("HEARTH_LORA_MAX_BYTES", 300 * 1024 * 1024)
+HEARTH_LORA_MAX_PER_ACCOUNT = env_int("HEARTH_LORA_MAX_PER_ACCOUNT", 30)

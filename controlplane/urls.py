@@ -8,6 +8,7 @@ from django.shortcuts import redirect
 from django.urls import include, path
 
 from controlplane.accounts import views as accounts
+from controlplane.adapters import views as adapters
 from controlplane.api import openapi
 from controlplane.api.views import healthz, metrics
 from controlplane.batches import views as batches
@@ -53,6 +54,10 @@ urlpatterns = [
     path(f"{ACCOUNT}tokens/<str:key_id>", accounts.key_detail, name="key-detail"),
     path(f"{ACCOUNT}ai/run/<path:model>", native.run_model, name="ai-run"),
     path(f"{ACCOUNT}ai/models/search", catalog.search_models, name="ai-models-search"),
+    path(f"{ACCOUNT}ai/finetunes", adapters.finetunes, name="ai-finetunes"),
+    path(f"{ACCOUNT}ai/finetunes/public", adapters.public_finetunes, name="ai-finetunes-public"),
+    path(f"{ACCOUNT}ai/finetunes/<str:ref>", adapters.finetune_detail, name="ai-finetune"),
+    path(f"{ACCOUNT}ai/finetunes/<str:ref>/finetune-assets", adapters.finetune_assets, name="ai-finetune-assets"),
     path(f"{ACCOUNT}ai/usage", usage.usage, name="ai-usage"),
     path(f"{ACCOUNT}ai/usage/export", usage.usage_export, name="ai-usage-export"),
     *_openai_routes("v1/", "v1"),

@@ -17,6 +17,7 @@ from inference.errors import (
     PromptTooLongError,
 )
 from inference.llm import LLM
+from inference.lora.slots import LoRARequest
 from inference.models.loader import ModelInfo
 from inference.outputs import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
 from inference.sampling_params import SamplingParams
@@ -26,5 +27,5 @@ __all__ = [
     "LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "EngineMetrics", "SamplingParams", "GenerationRequest",
     "Priority", "RequestOutput", "RequestMetrics", "FinishReason", "TokenLogprob", "Usage", "ModelInfo",
     "EngineError", "InvalidRequestError", "PromptTooLongError", "ModelNotFoundError", "EngineOverloadedError",
-    "EngineDeadError",
+    "EngineDeadError", "LoRARequest",
 ]

@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from inference.compression.compressor import CompressionState
+    from inference.lora.slots import LoRABatch
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class AttentionBatch:
     # so masks can be built once per step instead of per layer from stored positions.
     dense: bool = True
     memo: dict = field(default_factory=dict)  # per-step values shared by all layers (rope rows, masks)
+    lora: LoRABatch | None = None  # which rows add which adapter; None when no row has one
 
     @property
     def num_tokens(self) -> int:

@@ -82,6 +82,9 @@ class EngineConfig:
     kv_score_pooling: int = 15  # an entry scores the most any of its neighbours within 7 received
     spec_max_batch: int = 8  # more decoding sequences than this: no speculation that step
     spec_min_acceptance: float = 0.3  # a sequence whose acceptance falls below this pauses drafting
+    enable_lora: bool = True  # serve requests that name a LoRA adapter
+    max_loras: int = 8  # adapters resident at once (slots); more wait or are swapped in LRU
+    max_lora_rank: int = 32  # the largest rank an adapter may have (slots are sized for it)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -93,6 +96,8 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= self.block_size,
             "max_queue": self.max_queue >= 1,
+            "max_loras": self.max_loras >= 1,
+            "max_lora_rank": 1 <= self.max_lora_rank <= 256,
         }
         for name, ok in checks.items():
             if not ok:

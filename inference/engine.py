@@ -18,6 +18,8 @@ from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from inference.errors import InvalidRequestError, PromptTooLongError
 from inference.kv_cache import KVLayout, KVPool
+from inference.lora.format import LORA_ARCHITECTURES, BaseDims
+from inference.lora.slots import LoRARequest, LoRASlots
 from inference.model_runner import ModelRunner, StepResult
 from inference.models.loader import LoadedModel, load_model
 from inference.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
@@ -59,6 +61,11 @@ class EngineMetrics:
     kv_evicted_entries_total: int = 0
     kv_freed_blocks_total: int = 0
     mid_step_admissions_total: int = 0  # interactive prompts started between the layers of a step in flight
+    lora_slots: int = 0  # adapter slots (0: LoRA off)
+    lora_resident: list[str] | None = None  # adapters in slots now
+    lora_disk_loads_total: int = 0
+    lora_slot_loads_total: int = 0
+    lora_disk_load_ms_avg: float = 0.0
 
 
 class FrontEnd(Protocol):
@@ -85,9 +92,14 @@ class LLMEngine:
                           self.config.block_size, self.model.dtype)
         self.pool = KVPool.from_budget(layout, int(self.config.kv_cache_memory), self.model.device)
         self.blocks = BlockManager(layout, self.pool.num_blocks, self.config.enable_prefix_caching)
+        self.lora: LoRASlots | None = None
+        if self.config.enable_lora and self.model.model_type in LORA_ARCHITECTURES:
+            self.lora = LoRASlots(BaseDims.from_config(self.model.config.to_dict()), self.model.num_layers,
+                                  self.config.max_loras, self.config.max_lora_rank, self.model.dtype,
+                                  self.model.device)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.max_batch_class_seqs)
-        self.runner = ModelRunner(self.model, self.pool)
+                                   self.config.max_batch_class_seqs, self.lora)
+        self.runner = ModelRunner(self.model, self.pool, self.lora)
         self.compressor = KVCompressor(CompressionConfig(
             enabled=self.config.kv_compression, default=self.config.default_kv_compression(),
             sink_tokens=self.config.kv_sink_tokens, recent_tokens=self.config.kv_recent_tokens,
@@ -154,6 +166,8 @@ class LLMEngine:
         spec = request.speculation
         if spec is not None and spec.enabled and spec.mode not in self.spec.drafters:
             raise InvalidRequestError(f"speculation {spec.mode.value!r} is not available on this model")
+        if request.lora is not None and self.lora is None:
+            raise InvalidRequestError("this engine does not serve LoRA adapters")
 
     def add_request(self, request: GenerationRequest) -> Sequence:
         if request.request_id in self._sequences:
@@ -168,6 +182,9 @@ class LLMEngine:
                                                skip_special_tokens=params.skip_special_tokens),
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
+        if request.lora is not None:
+            assert self.lora is not None
+            seq.lora = self.lora.prepare(request.lora)  # a bad adapter fails here, before it is queued
         settings = self.compressor.settings_for(request.kv_compression)
         if settings is not None and seq.prompt_len >= self.compressor.config.min_prompt_tokens:
             # Entries per head never exceed the tokens the sequence can hold, drafts included.
@@ -404,18 +421,26 @@ class LLMEngine:
             state.observe_size(seq.blocks.num_entries, seq.num_computed * seq.blocks.lens.size)
         return {**state.settings.as_dict(), **state.stats.as_dict()}
 
-    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None,
+                      lora: LoRARequest | None = None) -> torch.Tensor:
         """Next-token logits at every position of token_ids, fp32 [T, vocab], through the paged cache.
 
         The prompt is computed in chunks of chunk_size tokens (default: the step token budget), exactly as
         chunked prefill runs it. For evaluation and tests; call it while the engine is otherwise idle.
         """
-        request = GenerationRequest(prompt_token_ids=list(token_ids), params=SamplingParams(max_tokens=1))
+        request = GenerationRequest(prompt_token_ids=list(token_ids), params=SamplingParams(max_tokens=1),
+                                    lora=lora)
         self.validate(request)
         seq = Sequence(request=request, blocks=self.blocks.new_sequence(), generator=None,
                        detokenizer=None, stop_matcher=None)
         size = chunk_size or self.config.max_num_batched_tokens
         pieces = []
+        if lora is not None:
+            assert self.lora is not None
+            seq.lora = self.lora.prepare(lora)
+            seq.lora_slot = self.lora.acquire(seq.lora)
+            if seq.lora_slot is None:
+                raise InvalidRequestError("every LoRA slot is in use; score the prompt when the engine is idle")
         try:
             while seq.num_computed < seq.num_tokens:
                 count = min(size, seq.num_tokens - seq.num_computed)
@@ -426,6 +451,8 @@ class LLMEngine:
                 seq.num_computed += count
         finally:
             self.blocks.free(seq.blocks)
+            if seq.lora_slot is not None:
+                self.lora.release(seq.lora_slot)  # type: ignore[union-attr]
         return torch.cat(pieces)
 
     # ----------------------------------------------------------------- metrics
@@ -461,4 +488,13 @@ class LLMEngine:
             kv_evicted_entries_total=self.compressor.stats.evicted_entries,
             kv_freed_blocks_total=self.compressor.stats.freed_blocks,
             mid_step_admissions_total=self._mid_step_admissions_total,
+            **self._lora_metrics(),
         )
+
+    def _lora_metrics(self) -> dict:
+        if self.lora is None:
+            return {}
+        stats = self.lora.stats
+        return {"lora_slots": self.lora.max_loras, "lora_resident": self.lora.resident,
+                "lora_disk_loads_total": stats.disk_loads, "lora_slot_loads_total": stats.slot_loads,
+                "lora_disk_load_ms_avg": stats.as_dict()["disk_load_ms_avg"]}

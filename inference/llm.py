@@ -8,6 +8,7 @@ from typing import Any
 
 from inference.config import EngineConfig
 from inference.engine import LLMEngine
+from inference.lora.slots import LoRARequest
 from inference.outputs import RequestOutput
 from inference.prompts import encode_prompt
 from inference.sampling_params import SamplingParams
@@ -27,24 +28,30 @@ class LLM:
         return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Raw prompts (text is tokenised as is, no chat template) or token id lists; outputs in input order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Raw prompts (text is tokenised as is, no chat template) or token id lists; outputs in input order.
+        lora: one adapter for all prompts, or one (or None) per prompt; they run in the same batches."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         ids = [self.encode(p, raw=True) if isinstance(p, str) else list(p) for p in prompts]
-        return self.generate_ids(ids, params)
+        return self.generate_ids(ids, params, lora)
 
     def chat(self, conversations: Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         return self.generate_ids([self.encode(messages=c) for c in conversations], params)
 
     def generate_ids(self, prompt_ids: Sequence[list[int]],
-                     params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                     params: SamplingParams | Sequence[SamplingParams] | None = None,
+                     lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_ids)
-        if len(params) != len(prompt_ids):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        requests = [GenerationRequest(prompt_token_ids=list(p), params=sp) for p, sp in zip(prompt_ids, params, strict=True)]
+        if lora is None or isinstance(lora, LoRARequest):
+            lora = [lora] * len(prompt_ids)
+        if len(params) != len(prompt_ids) or len(lora) != len(prompt_ids):
+            raise ValueError("give one SamplingParams (and LoRARequest), or one per prompt")
+        requests = [GenerationRequest(prompt_token_ids=list(p), params=sp, lora=adapter)
+                    for p, sp, adapter in zip(prompt_ids, params, lora, strict=True)]
         for request in requests:  # validate all before queueing any
             self.engine.validate(request)
         for request in requests:

@@ -11,6 +11,7 @@ import torch
 from inference.batch import AttentionBatch, DecodeGroup, PrefillSegment
 from inference.compression.compressor import CompressionState
 from inference.kv_cache import KVLayout, KVPool
+from inference.lora.slots import LoRASlots
 from inference.models.decoder import DecoderLM
 from inference.scheduler import ScheduledChunk
 
@@ -52,11 +53,12 @@ def _observer(chunk: ScheduledChunk) -> CompressionState | None:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, pool: KVPool) -> None:
+    def __init__(self, model: DecoderLM, pool: KVPool, lora: LoRASlots | None = None) -> None:
         self.model = model
         self.pool = pool
         self.layout: KVLayout = pool.layout
         self.device = model.device
+        self.lora = lora
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -72,6 +74,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
+        adapters: list[np.ndarray] = []  # each row's LoRA slot, -1 for the base model
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed
             known = chunk.num_tokens - chunk.num_draft
@@ -82,6 +85,8 @@ class ModelRunner:
             observer = _observer(chunk)
             if observer is not None:
                 observer.reset_entries(seq.blocks.lens, chunk.num_tokens)
+            adapter = getattr(seq, "lora_slot", None)
+            adapters.append(np.full(chunk.num_tokens, -1 if adapter is None else adapter, dtype=np.int64))
 
         batch = AttentionBatch(
             positions=self._tensor(np.concatenate(positions)),
@@ -89,6 +94,8 @@ class ModelRunner:
             num_decode=len(decodes),
             dense=not any(c.seq.blocks.compressed for c in chunks),
         )
+        if self.lora is not None:
+            batch.lora = self.lora.batch(np.concatenate(adapters), use_triton=self.model.triton is not None)
         start = 0
         for group in _group_by_length(decodes, bs):
             width = -(-(group[-1].seq.blocks.num_cached + 1) // bs)

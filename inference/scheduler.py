@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inference.block_manager import BlockManager
+from inference.lora.slots import LoRASlots
 from inference.sequence import Priority, Sequence, SequenceStatus
 
 
@@ -60,8 +61,9 @@ def _prompt_chunk(seq: Sequence, budget: int) -> int:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_batch_class_seqs: int | None = None) -> None:
+                 max_batch_class_seqs: int | None = None, lora: LoRASlots | None = None) -> None:
         self.blocks = blocks
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_class_seqs = max_batch_class_seqs
@@ -80,6 +82,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.blocks)
+        self._unpin(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -126,7 +129,8 @@ class Scheduler:
         def fresh_interactive() -> Sequence | None:
             seq = self.waiting[0]
             # A preempted sequence (some tokens computed) waits for a regular step.
-            return seq if seq.priority is Priority.INTERACTIVE and seq.num_computed == 0 else None
+            fresh = seq.priority is Priority.INTERACTIVE and seq.num_computed == 0
+            return seq if fresh and self._adapter_ready(seq) else None
 
         out = SchedulerOutput()
         self._admit_waiting(out, self.max_num_batched_tokens, fresh_interactive)
@@ -159,6 +163,12 @@ class Scheduler:
             self.blocks.free(seq.blocks)
             seq.num_computed = 0
             return None
+        if seq.lora is not None and seq.lora_slot is None:
+            seq.lora_slot = self.lora.acquire(seq.lora) if self.lora is not None else None
+            if seq.lora_slot is None:  # pickers check _adapter_ready first; never run it without its adapter
+                self.blocks.free(seq.blocks)
+                seq.num_computed = 0
+                return None
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
@@ -170,26 +180,39 @@ class Scheduler:
         if any(s.priority is Priority.INTERACTIVE and s.num_uncomputed > 1 for s in self.running):
             return True
         head = self.waiting[0] if self.waiting else None
-        if head is None or head.priority is not Priority.INTERACTIVE or len(self.running) >= self.max_num_seqs:
+        if head is None or head.priority is not Priority.INTERACTIVE or len(self.running) >= self.max_num_seqs \
+                or not self._adapter_ready(head):
             return False
         first_chunk = min(head.num_uncomputed, self.max_num_batched_tokens)
         return self.blocks.num_free_blocks >= self.blocks.blocks_for_tokens(first_chunk)
 
     def _next_admissible(self) -> Sequence | None:
+        """The first waiting sequence that may start now. Those over the batch-class cap, or whose adapter has no
+        free slot, are passed over (they keep their place): a slot frees only when a sequence holding it ends."""
         cap = self.max_batch_class_seqs
-        if cap is None:
-            return self.waiting[0]
-        batch_running = sum(1 for s in self.running if s.priority is Priority.BATCH)
+        batch_running = sum(1 for s in self.running if s.priority is Priority.BATCH) if cap is not None else 0
         for seq in self.waiting:
-            if seq.priority is Priority.BATCH and batch_running >= cap:
+            if cap is not None and seq.priority is Priority.BATCH and batch_running >= cap:
+                continue
+            if not self._adapter_ready(seq):
                 continue
             return seq
         return None
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        return seq.lora is None or seq.lora_slot is not None or (
+            self.lora is not None and self.lora.can_acquire(seq.lora.name))
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None and self.lora is not None:
+            self.lora.release(seq.lora_slot)
+        seq.lora_slot = None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute later: drop the KV (full blocks stay cached) and requeue in arrival order."""
         self.running.remove(seq)
         self.blocks.free(seq.blocks)
+        self._unpin(seq)
         seq.num_computed = 0
         seq.draft, seq.draft_probs = [], None
         seq.metrics.preemptions += 1

@@ -14,6 +14,7 @@ from inference.block_manager import SeqBlocks
 from inference.compression.compressor import CompressionState
 from inference.compression.settings import KVCompressionSettings
 from inference.errors import InvalidRequestError
+from inference.lora.slots import HostAdapter, LoRARequest
 from inference.outputs import FinishReason, RequestMetrics
 from inference.sampling_params import SamplingParams
 from inference.spec.settings import SpecStats, SpeculationSettings
@@ -41,6 +42,7 @@ class GenerationRequest:
     extra_keys: tuple = ()  # mixed into prefix-cache keys (adapter id, cache salt, ...)
     speculation: SpeculationSettings | None = None  # None: the engine's default
     kv_compression: KVCompressionSettings | None = None  # None: the model's default
+    lora: LoRARequest | None = None  # None: the base model
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -58,6 +60,11 @@ class GenerationRequest:
             raise InvalidRequestError("speculation must be a SpeculationSettings")
         if self.kv_compression is not None:
             self.kv_compression = KVCompressionSettings.parse(self.kv_compression)
+        if self.lora is not None:
+            if not isinstance(self.lora, LoRARequest):
+                raise InvalidRequestError("lora must be a LoRARequest")
+            # KV computed under an adapter is that adapter's: it must never be shared with other requests.
+            self.extra_keys = (*self.extra_keys, ("lora", self.lora.name))
 
 
 _arrival_counter = itertools.count()
@@ -83,6 +90,8 @@ class Sequence:
     draft_probs: torch.Tensor | None = None  # the drafter's distribution per draft token (None: deterministic)
     spec_stats: SpecStats = field(default_factory=SpecStats)
     compression: CompressionState | None = None  # KV compression target and scores, when on
+    lora: HostAdapter | None = None  # the adapter's checked weights, when the request names one
+    lora_slot: int | None = None  # the adapter slot pinned while the sequence runs
     order: int = field(default_factory=lambda: next(_arrival_counter))
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 

@@ -28,7 +28,7 @@ def require_account(ctx: KeyContext, account_id: str | None) -> None:
 
 def require_permission(ctx: KeyContext, permission: str) -> None:
     if not ctx.can(permission):
-        raise errors.forbidden(f"This API key is {ctx.permission}-only; the route needs {permission!r} permission")
+        raise errors.forbidden(f"This API key is {ctx.permission}-only; the route needs {str(permission)!r} permission")
 
 
 class _CsrfCheck(CsrfViewMiddleware):

@@ -28,6 +28,7 @@ CODE_INCOMPLETE_REQUEST = 3003
 CODE_NO_SUCH_MODEL = 5007
 CODE_LORA_UNSUPPORTED = 5005
 CODE_REQUEST_TOO_LARGE = 3006
+CODE_LORA_FILES_MISSING = 3039
 CODE_ACCOUNT_LIMITED = 3036
 CODE_OUT_OF_CAPACITY = 3040
 CODE_AUTHENTICATION = 10000
@@ -112,6 +113,16 @@ def unknown_model(name: str) -> ApiError:
 def lora_unsupported(model: str) -> ApiError:
     return ApiError(400, CODE_LORA_UNSUPPORTED, f"The model {model} does not support LoRA inference",
                     openai_code="lora_not_supported", param="lora")
+
+
+def lora_files_missing(message: str, param: str | None = "lora") -> ApiError:
+    """An adapter without both of its files: an upload that lacks one, or an adapter used before it is ready."""
+    return ApiError(400, CODE_LORA_FILES_MISSING, message, openai_code="adapter_files_missing", param=param)
+
+
+def conflict(message: str, param: str | None = None) -> ApiError:
+    """The request is valid but clashes with what is stored (a taken name, a file that is already there)."""
+    return ApiError(409, CODE_INVALID_INPUT, message, openai_code="conflict", param=param)
 
 
 def request_too_large(message: str = "Request is too large") -> ApiError:

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from controlplane.accounts.views import KeyCreate
+from controlplane.adapters.views import FinetuneCreate
 from controlplane.api.http import json_response
 from controlplane.batches.schemas import BatchCreate, NativePoll, NativeQueueRequest
 from controlplane.serving.schemas import (
@@ -76,6 +77,23 @@ FILE_UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": 
     "purpose": {"type": "string", "enum": ["batch"]},
     "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
     "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000}}}
+FINETUNE = {"name": "finetune_id", "in": "path", "required": True, "schema": {"type": "string"},
+            "description": "The adapter's id (or its name)."}
+FINETUNE_UPLOAD = {"type": "object", "required": ["name", "model", "adapter_config.json", "adapter_model.safetensors"],
+                   "properties": {
+    "name": {"type": "string"}, "model": {"type": "string"}, "description": {"type": "string"},
+    "adapter_config.json": {"type": "string", "format": "binary", "description": "The PEFT LoRA config."},
+    "adapter_model.safetensors": {"type": "string", "format": "binary",
+                                  "description": "The weights, safetensors only (no .bin or other pickle)."},
+    "file": {"type": "array", "items": {"type": "string", "format": "binary"},
+             "description": "Instead of the two fields above: two `file` parts whose filenames are the two names."}}}
+FINETUNE_ASSET = {"type": "object", "required": ["file"], "properties": {
+    "file_name": {"type": "string", "enum": ["adapter_config.json", "adapter_model.safetensors"],
+                  "description": "Which of the two files this is (default: the part's filename)."},
+    "file": {"type": "string", "format": "binary"}}}
+_FINETUNE_ERRORS = ("Errors: 5006 invalid adapter (400; the message says what is wrong), 3039 required files "
+                    "missing (400), 5005 the model does not support LoRA (400), 5007 unknown model (400), 409 name "
+                    "taken, file already stored or the account's adapter limit, 3006 over HEARTH_LORA_MAX_BYTES (413).")
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("get", "/client/v4/accounts", "Accounts this key (or signed-in user) belongs to", "Accounts"),
@@ -99,6 +117,26 @@ OPERATIONS: tuple[Operation, ...] = (
                                     {"name": "task", "in": "query", "schema": {"type": "string"}},
                                     {"name": "page", "in": "query", "schema": {"type": "integer"}},
                                     {"name": "per_page", "in": "query", "schema": {"type": "integer"}})),
+    Operation("get", "/client/v4/accounts/{account_id}/ai/finetunes", "LoRA adapters: the account's and published ones",
+              "LoRA adapters", params=(ACCOUNT,)),
+    Operation("post", "/client/v4/accounts/{account_id}/ai/finetunes", "Create a LoRA adapter (admin key)",
+              "LoRA adapters", body=(FinetuneCreate,), form=FINETUNE_UPLOAD, params=(ACCOUNT,),
+              errors=(400, 401, 403, 409, 413),
+              description="JSON {name, model, description}: a pending adapter, whose two files follow at "
+              ".../finetune-assets. Or multipart/form-data with name, model, description and both files: a ready "
+              "adapter in one request, all or nothing. " + _FINETUNE_ERRORS),
+    Operation("get", "/client/v4/accounts/{account_id}/ai/finetunes/public", "Published LoRA adapters",
+              "LoRA adapters", params=(ACCOUNT,)),
+    Operation("get", "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}", "One LoRA adapter",
+              "LoRA adapters", params=(ACCOUNT, FINETUNE), errors=(401, 403, 404)),
+    Operation("delete", "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}",
+              "Delete a LoRA adapter and its files (admin key)", "LoRA adapters", params=(ACCOUNT, FINETUNE),
+              errors=(401, 403, 404)),
+    Operation("post", "/client/v4/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets",
+              "Upload one of an adapter's two files (admin key)", "LoRA adapters", params=(ACCOUNT, FINETUNE),
+              form=FINETUNE_ASSET, errors=(400, 401, 403, 404, 409, 413),
+              description="The adapter becomes ready once both files are stored and pass validation against the "
+              "base model; files cannot be replaced. " + _FINETUNE_ERRORS),
     Operation("get", "/client/v4/accounts/{account_id}/ai/usage", "Usage from the rollups", "Usage",
               params=(ACCOUNT,
                       {"name": "since", "in": "query", "schema": {"type": "string"}},
@@ -166,8 +204,9 @@ def _operation(op: Operation) -> dict[str, Any]:
     if op.body:
         schema = _ref(op.body[0]) if len(op.body) == 1 else {"oneOf": [_ref(b) for b in op.body]}
         doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
-    if op.form:
-        doc["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": op.form}}}
+    if op.form:  # next to a JSON body when the route takes both
+        request_body = doc.setdefault("requestBody", {"required": True, "content": {}})
+        request_body["content"]["multipart/form-data"] = {"schema": op.form}
     return doc
 
 

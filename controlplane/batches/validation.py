@@ -48,7 +48,7 @@ def _common(entry: ModelEntry, parsed: Any, kind: str) -> None:
         raise errors.invalid("stream: batch requests cannot stream; their results are stored", "stream")
     if not entry.is_embedding:
         sampling(parsed, kind)
-    pipeline.resolve_adapter(None, entry, getattr(parsed, "lora", None))  # type: ignore[arg-type]
+    pipeline.resolve_adapter(None, entry, getattr(parsed, "lora", None))
     pipeline.resolve_speculation(entry, getattr(parsed, "speculation", None))
     pipeline.resolve_kv_compression(getattr(parsed, "kv_compression", None))
 

@@ -57,6 +57,9 @@ class Price(models.Model):
     batch_discount_percent = models.DecimalField(
         max_digits=5, decimal_places=2, null=True, blank=True,
         help_text="Percent off neurons for batch requests; empty: HEARTH_BATCH_DISCOUNT_PERCENT.")
+    lora_surcharge_percent = models.DecimalField(
+        max_digits=7, decimal_places=2, default=Decimal(0),
+        help_text="Percent added to the neurons of requests served with a LoRA adapter.")
     note = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
@@ -76,7 +79,7 @@ class Price(models.Model):
                     "A price that has taken effect cannot be edited (usage was charged at it); "
                     "add a new price with a later effective time instead.")
         for field in ("neurons_per_m_input", "neurons_per_m_cached_input", "neurons_per_m_output",
-                      "usd_per_1k_neurons", "batch_discount_percent"):
+                      "usd_per_1k_neurons", "batch_discount_percent", "lora_surcharge_percent"):
             value = getattr(self, field)
             if value is not None and value < 0:
                 raise ValidationError({field: "must not be negative"})

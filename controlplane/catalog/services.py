@@ -73,6 +73,7 @@ class PriceSnapshot:
     neurons_per_m_output: Decimal
     usd_per_1k_neurons: Decimal
     batch_discount_percent: Decimal | None = None  # None: the HEARTH_BATCH_DISCOUNT_PERCENT setting
+    lora_surcharge_percent: Decimal = Decimal(0)  # added to the neurons of a request served with an adapter
 
     def neurons(self, input_tokens: int, cached_input_tokens: int, output_tokens: int) -> Decimal:
         fresh = max(0, input_tokens - cached_input_tokens)
@@ -103,6 +104,7 @@ class PriceSnapshot:
             "usd_per_m_cached_input_tokens": usd_per_m(self.neurons_per_m_cached_input),
             "usd_per_m_output_tokens": usd_per_m(self.neurons_per_m_output),
             "batch_discount_percent": float(self.batch_discount()),
+            "lora_surcharge_percent": float(self.lora_surcharge_percent),
         }
 
 
@@ -202,7 +204,7 @@ def _load() -> dict[str, ModelEntry]:
             price_id=p.pk, effective_at=p.effective_at.timestamp(),
             neurons_per_m_input=p.neurons_per_m_input, neurons_per_m_cached_input=p.neurons_per_m_cached_input,
             neurons_per_m_output=p.neurons_per_m_output, usd_per_1k_neurons=p.usd_per_1k_neurons,
-            batch_discount_percent=p.batch_discount_percent))
+            batch_discount_percent=p.batch_discount_percent, lora_surcharge_percent=p.lora_surcharge_percent))
     entries = {}
     for m in AiModel.objects.filter(is_active=True):
         entries[m.name] = ModelEntry(
@@ -246,7 +248,8 @@ def served_models(now: float | None = None, entries: dict[str, ModelEntry] | Non
 
 def set_price(model: AiModel, *, input_neurons: Decimal | float, cached_input_neurons: Decimal | float,
               output_neurons: Decimal | float, effective_at=None, usd_per_1k_neurons: Decimal | None = None,
-              batch_discount_percent: Decimal | float | None = None, note: str = "") -> Price:
+              batch_discount_percent: Decimal | float | None = None, note: str = "",
+              lora_surcharge_percent: Decimal | float | None = None) -> Price:
     """A new price row, effective from `effective_at` (default now); earlier usage keeps its own price."""
     price = Price(model=model, effective_at=effective_at or timezone.now(),
                   neurons_per_m_input=Decimal(str(input_neurons)),
@@ -256,6 +259,8 @@ def set_price(model: AiModel, *, input_neurons: Decimal | float, cached_input_ne
         price.usd_per_1k_neurons = Decimal(str(usd_per_1k_neurons))
     if batch_discount_percent is not None:
         price.batch_discount_percent = Decimal(str(batch_discount_percent))
+    if lora_surcharge_percent is not None:
+        price.lora_surcharge_percent = Decimal(str(lora_surcharge_percent))
     price.full_clean()
     price.save()
     return price

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from controlplane.dashboard import views, views_batches, views_models, views_usage
+from controlplane.dashboard import views, views_adapters, views_batches, views_models, views_usage
 
 urlpatterns = [
     path("", views.home, name="dashboard"),
@@ -15,6 +15,7 @@ urlpatterns = [
     path("<str:account_id>/", views.overview, name="dashboard-overview"),
     path("<str:account_id>/keys/", views.keys, name="dashboard-keys"),
     *views_models.urlpatterns,
+    *views_adapters.urlpatterns,
     *views_batches.urlpatterns,
     *views_usage.urlpatterns,
 ]

@@ -39,7 +39,7 @@ from controlplane.serving.dispatch import Backend, EmbeddingResult, get_backend
 from controlplane.usage import limits
 from controlplane.usage.models import Source, Status
 from controlplane.usage.services import UsageRecord, check_account_limits, record
-from inference import FinishReason, GenerationRequest, Priority, RequestOutput, SamplingParams
+from inference import FinishReason, GenerationRequest, LoRARequest, Priority, RequestOutput, SamplingParams
 from inference.compression import KVCompressionSettings
 from inference.errors import EngineError, InvalidRequestError
 from inference.spec.settings import SpecMode, SpeculationSettings
@@ -51,8 +51,9 @@ class Admission:
     entry: ModelEntry
     price: PriceSnapshot | None
     arrived_at: datetime
-    adapter: str
+    adapter: str  # the adapter's name, recorded with the usage; "" for the base model
     body: Any
+    lora: LoRARequest | None = None  # what the engine serves the adapter from
     speculation: SpeculationSettings | None = None  # None: the engine's start-up default
     kv_compression: KVCompressionSettings | None = None  # None: the engine's start-up default
     session: bool = False  # a signed-in user's request (the dashboard's playground), not an API key's
@@ -63,15 +64,30 @@ class Admission:
         return None if self.session else self.ctx.key_id
 
 
-def resolve_adapter(ctx: KeyContext, entry: ModelEntry, lora: str | None) -> str:
-    """The adapter a request names, checked against the model. Adapters are served by the LoRA issue; until
-    then a LoRA-capable model reports the adapter as unknown."""
+def resolve_adapter(account_id: str | None, entry: ModelEntry, lora: str | None) -> tuple[str, LoRARequest | None]:
+    """The adapter a request names (its id or name; the account's own or a public one), checked against the
+    model: its name for usage and what the engine loads. 400 for a model without LoRA (5005), an unknown
+    adapter, one made for another model, and one whose files are missing (3039)."""
     if not lora:
-        return ""
+        return "", None
     if not entry.supports_lora:
         raise errors.lora_unsupported(entry.name)
-    raise ApiError(400, errors.CODE_NO_SUCH_MODEL, f"No LoRA adapter {lora!r} for {entry.name} in this account",
-                   openai_code="adapter_not_found", param="lora")
+    if account_id is None:
+        raise errors.invalid("lora: batch requests cannot use LoRA adapters yet; send them to the model's route",
+                             "lora")
+    from controlplane.adapters import services as adapters
+
+    adapter = adapters.find_adapter(account_id, lora, entry.name)
+    return adapter.name, LoRARequest(adapters.adapter_key(adapter), adapters.adapter_dir(adapter))
+
+
+def split_model_adapter(model: str | None) -> tuple[str | None, str | None]:
+    """`<base>:<adapter>` names a model and a LoRA adapter at once (OpenAI routes carry no `lora` field).
+    A name that is itself in the catalog is never split."""
+    if not model or ":" not in model or get_model(model) is not None:
+        return model, None
+    base, _, adapter = model.rpartition(":")
+    return (base, adapter) if base and adapter else (model, None)
 
 
 def default_speculation(entry: ModelEntry) -> SpeculationSettings | None:
@@ -137,6 +153,7 @@ def admit(auth_header: str | None, *, account_id: str | None, model: str | None,
     ctx = authenticate_key(parse_bearer(auth_header))
     require_account(ctx, account_id)
     require_permission(ctx, ApiKey.Permission.RUN)
+    model, model_adapter = split_model_adapter(model)
     entry = get_model(model) if model else None
     if model and (entry is None or not entry.installed):
         body(None)  # a malformed body is still reported as such first
@@ -147,14 +164,18 @@ def admit(auth_header: str | None, *, account_id: str | None, model: str | None,
         raise errors.forbidden(f"This API key may not use {entry.name}")
     if task is not None and entry.task != task:
         raise errors.invalid(f"{entry.name} is a {entry.task} model and cannot serve this route", "model")
-    adapter = resolve_adapter(ctx, entry, lora(parsed))
+    named = lora(parsed)
+    if model_adapter and named and named != model_adapter:
+        raise errors.invalid(f"model names the adapter {model_adapter!r} but lora names {named!r}", "lora")
+    adapter, lora_request = resolve_adapter(ctx.account_id, entry, named or model_adapter)
     speculation = resolve_speculation(entry, getattr(parsed, "speculation", None))
     kv_compression = resolve_kv_compression(getattr(parsed, "kv_compression", None), entry)
     now = timezone.now()
     check_account_limits(ctx, now)
     limits.check_rate(ctx, now.timestamp())
     return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now,
-                     adapter=adapter, body=parsed, speculation=speculation, kv_compression=kv_compression)
+                     adapter=adapter, lora=lora_request, body=parsed, speculation=speculation,
+                     kv_compression=kv_compression)
 
 
 def session_context(account: Account, user_id: int) -> KeyContext:
@@ -302,7 +323,7 @@ class Generation:
             await self.fail(exc)
         self.request = GenerationRequest(
             prompt_token_ids=ids, params=params, request_id=f"req-{uuid.uuid4().hex}",
-            priority=Priority.INTERACTIVE, extra_keys=(self.adm.adapter,) if self.adm.adapter else (),
+            priority=Priority.INTERACTIVE, lora=self.adm.lora,
             speculation=self.adm.speculation, kv_compression=self.adm.kv_compression)
 
     async def _engine_call(self, awaitable: Any) -> Any:

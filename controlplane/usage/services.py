@@ -81,11 +81,14 @@ def _bump(model: type[Model], lookup: dict[str, Any], deltas: dict[str, Any]) ->
 
 
 def charge(price: PriceSnapshot | None, input_tokens: int, cached_input_tokens: int, output_tokens: int, *,
-           batch: bool = False) -> tuple[Decimal, Decimal]:
-    """Neurons and dollars for these tokens at this price, rounded as events store them (no price: nothing)."""
+           batch: bool = False, adapter: bool = False) -> tuple[Decimal, Decimal]:
+    """Neurons and dollars for these tokens at this price, rounded as events store them (no price: nothing).
+    A request served with a LoRA adapter pays the price's adapter surcharge on top."""
     if price is None:
         return _ZERO, _ZERO
     neurons = price.neurons(input_tokens, min(cached_input_tokens, input_tokens), output_tokens)
+    if adapter:
+        neurons = neurons * (100 + price.lora_surcharge_percent) / 100
     if batch:
         neurons = neurons * (100 - price.batch_discount()) / 100
     cost = price.cost_usd(neurons)
@@ -107,7 +110,7 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
     tokens_cached = min(rec.cached_input_tokens, tokens_in) if billable else 0
     tokens_out = rec.output_tokens if billable else 0
     neurons, cost = charge(price if billable else None, tokens_in, tokens_cached, tokens_out,
-                           batch=rec.source == Source.BATCH)
+                           batch=rec.source == Source.BATCH, adapter=bool(rec.adapter))
     key_id = rec.key_id or ""
     with transaction.atomic():
         event = UsageEvent.objects.create(

@@ -185,8 +185,13 @@ class DecoderLM:
             else:
                 h = h + x
                 x = self._norm(h, layer.post_attn_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            x = layer.down(self.act(gate) * up)
+            gate_up = layer.gate_up(x)
+            if batch.lora is not None:
+                batch.lora.apply(index, "gate_up", x, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = self.act(gate) * up
+            down = layer.down(x)
+            x = batch.lora.apply(index, "down", x, down) if batch.lora is not None else down
             if layer.post_ffn_norm is not None:
                 x = self._norm(x, layer.post_ffn_norm)
             h = h + x
@@ -227,6 +232,8 @@ class DecoderLM:
                    batch: AttentionBatch, kv: KVPool) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = layer.qkv(x)
+        if batch.lora is not None:
+            batch.lora.apply(index, "qkv", x, qkv)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -276,4 +283,6 @@ class DecoderLM:
                 extend = self.triton.prefill if self.triton is not None else pa.paged_prefill_attention_ref
                 out[s:e] = extend(q[s:e], kv.k, kv.v, kv.pos, seg.block_table[index], seg.kv_lens[index],
                                   batch.positions[s:e], self.scale, window, softcap)
-        return layer.o(out.view(tokens, self.q_size))
+        out = out.view(tokens, self.q_size)
+        o = layer.o(out)
+        return batch.lora.apply(index, "o", out, o) if batch.lora is not None else o

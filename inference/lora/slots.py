@@ -1,0 +1,230 @@
+"""Adapter slots: a fixed number of adapters resident next to the model, loaded on demand, evicted LRU.
+
+A request names its adapter with a `LoRARequest` (a name that identifies the exact weights, and the directory
+holding them). When the request is added, the adapter is read from disk and checked against the model once
+(`prepare`; a bad adapter fails that request alone, before it is queued) and kept on the host. When the
+scheduler admits the sequence it `acquire`s a slot: the adapter's weights are copied into the stacked tensors
+(see kernels/lora.py for the layout) unless they are there already, and the slot is pinned until the
+sequence finishes or is preempted. A slot pinned by nobody may be reused, least recently released first; while
+every slot is pinned by other adapters, the sequence waits.
+
+The stacked tensors of a (layer, projection) are allocated the first time some adapter adapts it, so a model
+whose adapters touch only q and v pays for q and v.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inference.errors import InvalidRequestError
+from inference.lora.format import (
+    FUSED,
+    MODULES,
+    AdapterError,
+    AdapterSpec,
+    BaseDims,
+    inspect_adapter_dir,
+    load_pairs,
+)
+from kernels import lora as lora_ref
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """An adapter to serve a request with. `name` must change whenever the weights do (it keys the prefix
+    cache and the slots): the control plane uses the adapter id and its checksum."""
+
+    name: str
+    path: str | Path
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 256:
+            raise InvalidRequestError("lora name must be a non-empty string of at most 256 characters")
+        if not str(self.path):
+            raise InvalidRequestError("lora path must name the adapter's directory")
+
+
+@dataclass(slots=True)
+class HostAdapter:
+    """A checked adapter's weights on the host, grouped the way our fused projections are."""
+
+    name: str
+    spec: AdapterSpec
+    # (layer, fused) -> (sub-module index, A [r, in], B [out_j, r]) for every sub-module it adapts
+    weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]]
+    load_seconds: float
+
+
+@dataclass(slots=True)
+class LoRAStats:
+    disk_loads: int = 0  # adapters read and checked from disk
+    slot_loads: int = 0  # copies into a slot
+    disk_seconds: float = 0.0
+    slot_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"disk_loads": self.disk_loads, "slot_loads": self.slot_loads,
+                "disk_load_ms_avg": 1000 * self.disk_seconds / self.disk_loads if self.disk_loads else 0.0,
+                "slot_load_ms_avg": 1000 * self.slot_seconds / self.slot_loads if self.slot_loads else 0.0}
+
+
+@dataclass(slots=True)
+class _Slot:
+    name: str | None = None
+    pins: int = 0
+    rank: int = 0
+    scale: float = 0.0
+    targets: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
+
+
+class LoRASlots:
+    def __init__(self, base: BaseDims, num_layers: int, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, host_cache: int | None = None) -> None:
+        self.base, self.num_layers = base, num_layers
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.dtype, self.device = dtype, device
+        self.host_cache = host_cache or 4 * max_loras
+        self.slots = [_Slot() for _ in range(max_loras)]
+        self.a: dict[tuple[int, str], torch.Tensor] = {}  # [S, n_sub, R, in]
+        self.b: dict[tuple[int, str], torch.Tensor] = {}  # [S, out, R]
+        self.bounds = {fused: base.fused_bounds(fused) for fused in FUSED}
+        self._hosts: OrderedDict[str, HostAdapter] = OrderedDict()
+        self._idle: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU order
+        self.stats = LoRAStats()
+        self._scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
+
+    # ----------------------------------------------------------------- host side
+    def prepare(self, lora: LoRARequest) -> HostAdapter:
+        """The adapter's checked weights on the host, read from disk unless recently used.
+        Raises InvalidRequestError naming what is wrong with it."""
+        host = self._hosts.get(lora.name)
+        if host is not None:
+            self._hosts.move_to_end(lora.name)
+            return host
+        start = time.perf_counter()
+        try:
+            spec = inspect_adapter_dir(lora.path, self.base, self.max_rank)
+            pairs = load_pairs(lora.path, spec)
+        except AdapterError as exc:
+            raise InvalidRequestError(f"LoRA adapter {lora.name!r}: {exc}") from None
+        except OSError as exc:
+            raise InvalidRequestError(f"LoRA adapter {lora.name!r} could not be read: {exc}") from None
+        weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for (layer, module), (a, b) in sorted(pairs.items()):
+            fused, sub = MODULES[module]
+            weights.setdefault((layer, fused), []).append((sub, a.to(self.dtype), b.to(self.dtype)))
+        host = HostAdapter(lora.name, spec, weights, time.perf_counter() - start)
+        self.stats.disk_loads += 1
+        self.stats.disk_seconds += host.load_seconds
+        self._hosts[lora.name] = host
+        while len(self._hosts) > self.host_cache:
+            self._hosts.popitem(last=False)  # sequences still hold theirs; only the cache forgets it
+        return host
+
+    # ----------------------------------------------------------------- slots
+    def acquire(self, host: HostAdapter) -> int | None:
+        """Pin a slot holding this adapter (loading it into the least recently used free slot when it is not
+        resident); None when every slot is pinned by other adapters."""
+        for index, slot in enumerate(self.slots):
+            if slot.name == host.name:
+                self._pin(index)
+                return index
+        if not self._idle:
+            return None
+        index = next(iter(self._idle))
+        self._load(index, host)
+        self._pin(index)
+        return index
+
+    def can_acquire(self, name: str) -> bool:
+        return bool(self._idle) or any(slot.name == name for slot in self.slots)
+
+    def release(self, index: int) -> None:
+        slot = self.slots[index]
+        if slot.pins <= 0:
+            raise RuntimeError(f"LoRA slot {index} released more often than acquired")
+        slot.pins -= 1
+        if slot.pins == 0:
+            self._idle[index] = None  # most recently released last: evicted last
+
+    def _pin(self, index: int) -> None:
+        self.slots[index].pins += 1
+        self._idle.pop(index, None)
+
+    def _load(self, index: int, host: HostAdapter) -> None:
+        start = time.perf_counter()
+        for key in self.a:  # whatever the slot held before must add nothing now
+            self.a[key][index].zero_()
+            self.b[key][index].zero_()
+        rank = host.spec.rank
+        targets: dict[tuple[int, str], tuple[int, ...]] = {}
+        for key, subs in host.weights.items():
+            a, b = self._stack(key)
+            bounds = self.bounds[key[1]]
+            for sub, a_w, b_w in subs:
+                a[index, sub, :rank].copy_(a_w, non_blocking=True)
+                b[index, bounds[sub]:bounds[sub + 1], :rank].copy_(b_w, non_blocking=True)
+            targets[key] = tuple(sorted(sub for sub, _, _ in subs))
+        self.slots[index] = _Slot(name=host.name, pins=self.slots[index].pins, rank=rank,
+                                  scale=host.spec.scaling, targets=targets)
+        self._scale[index] = host.spec.scaling
+        self.stats.slot_loads += 1
+        self.stats.slot_seconds += time.perf_counter() - start
+
+    def _stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        if key not in self.a:
+            fused = key[1]
+            subs = FUSED[fused]
+            fan_in = self.base.shapes[subs[0]][0]
+            out = self.bounds[fused][-1]
+            self.a[key] = torch.zeros(self.max_loras, len(subs), self.max_rank, fan_in,
+                                      dtype=self.dtype, device=self.device)
+            self.b[key] = torch.zeros(self.max_loras, out, self.max_rank, dtype=self.dtype, device=self.device)
+        return self.a[key], self.b[key]
+
+    @property
+    def resident(self) -> list[str]:
+        return [slot.name for slot in self.slots if slot.name is not None]
+
+    # ----------------------------------------------------------------- per step
+    def batch(self, row_slots: np.ndarray, use_triton: bool) -> LoRABatch | None:
+        """The step's view: which rows use which slot. None when no row uses an adapter."""
+        present = [int(s) for s in np.unique(row_slots) if s >= 0]
+        if not present:
+            return None
+        groups = [(s, torch.from_numpy(np.flatnonzero(row_slots == s)).to(self.device)) for s in present]
+        slot = torch.from_numpy(row_slots.astype(np.int64)).to(self.device) if use_triton else None
+        return LoRABatch(self, groups, slot, max(self.slots[s].rank for s in present))
+
+
+class LoRABatch:
+    """Adds each row's adapter to a projection's output, for the rows of one step."""
+
+    def __init__(self, slots: LoRASlots, groups: list[tuple[int, torch.Tensor]], slot: torch.Tensor | None,
+                 max_rank: int) -> None:
+        self.slots, self.groups, self.slot, self.max_rank = slots, groups, slot, max_rank
+        self._ranks = [s.rank for s in slots.slots]
+        self._scales = [s.scale for s in slots.slots]
+
+    def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        key = (layer, fused)
+        slots = self.slots
+        if key not in slots.a:
+            return y
+        groups = [(s, rows) for s, rows in self.groups if key in slots.slots[s].targets]
+        if not groups:
+            return y
+        if self.slot is not None:
+            from kernels import triton_lora
+
+            return triton_lora.lora_apply(y, x, slots.a[key], slots.b[key], self.slot, slots._scale,
+                                          slots.bounds[fused], max_rank=self.max_rank)
+        targets = [s.targets.get(key, ()) for s in slots.slots]
+        return lora_ref.lora_apply_grouped(y, x, slots.a[key], slots.b[key], groups, self._scales,
+                                           slots.bounds[fused], ranks=self._ranks, targets=targets)
