@@ -96,7 +96,7 @@ class LLMEngine:
         if self.config.enable_lora and self.model.model_type in LORA_ARCHITECTURES:
             self.lora = LoRASlots(BaseDims.from_config(self.model.config.to_dict()), self.model.num_layers,
                                   self.config.max_loras, self.config.max_lora_rank, self.model.dtype,
-                                  self.model.device)
+                                  self.model.device, stacked=self.model.triton is not None)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_batch_class_seqs, self.lora)
         self.runner = ModelRunner(self.model, self.pool, self.lora)

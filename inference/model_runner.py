@@ -95,7 +95,7 @@ class ModelRunner:
             dense=not any(c.seq.blocks.compressed for c in chunks),
         )
         if self.lora is not None:
-            batch.lora = self.lora.batch(np.concatenate(adapters), use_triton=self.model.triton is not None)
+            batch.lora = self.lora.batch(np.concatenate(adapters))
         start = 0
         for group in _group_by_length(decodes, bs):
             width = -(-(group[-1].seq.blocks.num_cached + 1) // bs)

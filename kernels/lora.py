@@ -11,9 +11,12 @@ so for a row x of adapter s:  y[c] += scale[s] * sum_r b[s, c, r] * (a[s, j(c), 
 A sub-module the adapter does not target has zero A and B, and padded ranks are zero, so both add nothing.
 Each row names its slot; -1 means the base model alone.
 
-On CPU the engine calls `lora_apply_grouped` with the rows of each slot found once per step, so a layer costs a
-few small matmuls per adapter present and nothing for the others. On CUDA the Triton kernels in
-`triton_lora.py` do the same from the per-row slot index in two launches (shrink, then expand).
+On CUDA the Triton kernels in `triton_lora.py` compute this from the per-row slot index in two launches
+(shrink, then expand). On CPU the cost is the number of small ops, not flops, so the engine keeps each adapter
+*packed* instead (`pack`): one A of the sub-modules it adapts stacked [k*r, in], and one B [out, k*r] that puts
+each sub-module's ranks under its own output columns, with the scale folded in. With the step's rows sorted by
+adapter once (`lora_apply_packed`), a projection then costs one gather, two matmuls per adapter present and one
+scatter-add, whatever the sub-modules and ranks.
 """
 
 from __future__ import annotations
@@ -23,38 +26,33 @@ from collections.abc import Sequence
 import torch
 
 
-def slot_groups(slot: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """(slot, row indices) for every slot present in `slot` [T] (int64, -1 = none)."""
-    present = [int(s) for s in torch.unique(slot).tolist() if s >= 0]
-    return [(s, torch.nonzero(slot == s).flatten()) for s in present]
+def pack(subs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], bounds: Sequence[int], scale: float,
+         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's weights for one fused projection, packed: subs are (sub-module j, A_j [r, in],
+    B_j [out_j, r]) for the sub-modules it adapts. Returns A [k*r, in] and scale * B [out, k*r]."""
+    r = subs[0][1].shape[0]
+    dtype = dtype or subs[0][1].dtype
+    a = torch.cat([a_j for _, a_j, _ in subs]).to(dtype)
+    b = torch.zeros(bounds[-1], len(subs) * r, dtype=torch.float32, device=a.device)
+    for i, (j, _, b_j) in enumerate(subs):
+        b[bounds[j]:bounds[j + 1], i * r:(i + 1) * r] = b_j.float() * scale
+    return a, b.to(dtype)
 
 
-def lora_apply_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       groups: Sequence[tuple[int, torch.Tensor]], scale: Sequence[float],
-                       bounds: Sequence[int], ranks: Sequence[int] | None = None,
-                       targets: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """y [T, out] += LoRA(x [T, in]) for the rows of each group; returns y (changed in place).
+def lora_apply_packed(y: torch.Tensor, x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                      order: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """y [T, out] += LoRA(x [T, in]) with packed adapters; returns y (changed in place).
 
-    ranks: each slot's true rank (<= R) and targets: the sub-modules each slot adapts, so that padding and
-    untargeted sub-modules cost nothing; None means all of them."""
-    n_sub = a.shape[1]
-    for s, rows in groups:
-        r = a.shape[2] if ranks is None else ranks[s]
-        subs = range(n_sub) if targets is None else targets[s]
-        if r == 0 or not subs:
-            continue
-        xs = x.index_select(0, rows).to(a.dtype)
-        # [n_sub, n, r]: every sub-module's rank vector for these rows.
-        t = torch.matmul(xs.unsqueeze(0), a[s, :, :r, :].transpose(-1, -2))
-        if len(subs) == n_sub:
-            delta = torch.empty(rows.numel(), y.shape[1], dtype=a.dtype, device=y.device)
-        else:
-            delta = torch.zeros(rows.numel(), y.shape[1], dtype=a.dtype, device=y.device)
-        for j in subs:
-            lo, hi = bounds[j], bounds[j + 1]
-            torch.matmul(t[j], b[s, lo:hi, :r].t(), out=delta[:, lo:hi])
-        y.index_add_(0, rows, delta.to(y.dtype), alpha=float(scale[s]))
-    return y
+    order: the rows that use an adapter, sorted so each adapter's rows are contiguous; spans: (slot, start, end)
+    ranges of `order`. Rows of a slot whose weights are None (it does not adapt this projection) add nothing."""
+    dtype = next(w[0].dtype for w in weights if w is not None)
+    xs = x.index_select(0, order).to(dtype)
+    delta = torch.zeros(order.numel(), y.shape[1], dtype=dtype, device=y.device)
+    for slot, start, end in spans:
+        w = weights[slot]
+        if w is not None:
+            torch.matmul(torch.matmul(xs[start:end], w[0].t()), w[1].t(), out=delta[start:end])
+    return y.index_add_(0, order, delta.to(y.dtype))
 
 
 def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot: torch.Tensor,

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.core.files.uploadedfile import TemporaryUploadedFile, UploadedFile
 from django.core.files.uploadhandler import FileUploadHandler, StopUpload
-from django.http import HttpRequest
+from django.http import HttpRequest, QueryDict
+from django.http.multipartparser import MultiPartParserError
+from django.utils.datastructures import MultiValueDict
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
@@ -91,6 +94,20 @@ def check_content_length(request: HttpRequest) -> None:
     slack = int(settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 0) + _MULTIPART_OVERHEAD
     if length.isdigit() and int(length) > limit_bytes() + slack:
         raise too_large(limit_bytes())
+
+
+def read_form(request: HttpRequest, handler: LimitedUploadHandler) -> tuple[QueryDict, MultiValueDict]:
+    """The multipart form's fields and files, parsed with the streaming handler in place (it takes the files);
+    the parser's refusals and an upload cut off at the size limit as ApiErrors."""
+    try:
+        fields, files = request.POST, request.FILES
+    except (RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent) as exc:
+        raise errors.request_too_large(f"The form has too many or too large fields: {exc}") from None
+    except MultiPartParserError as exc:
+        raise errors.malformed(f"Malformed multipart body: {exc}") from None
+    if handler.exceeded:
+        raise too_large(handler.limit)
+    return fields, files
 
 
 @dataclass(frozen=True, slots=True)

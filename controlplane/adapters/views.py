@@ -67,14 +67,7 @@ def _check_scope(who: Principal, model: object) -> None:
 def _form(request: HttpRequest, handler: upload.LimitedUploadHandler) -> tuple[dict[str, str], MultiValueDict]:
     """The multipart form's fields and files, after the streaming handler has taken the files."""
     upload.check_content_length(request)  # after authentication, like every other body error
-    try:
-        fields, files = request.POST, request.FILES
-    except (RequestDataTooBig, TooManyFilesSent) as exc:
-        raise errors.request_too_large(f"The form is too large: {exc}") from None
-    except MultiPartParserError as exc:
-        raise errors.malformed(f"Malformed multipart body: {exc}") from None
-    if handler.exceeded:
-        raise upload.too_large(handler.limit)
+    fields, files = upload.read_form(request, handler)
     return {k: fields.get(k, "") for k in fields}, files
 
 

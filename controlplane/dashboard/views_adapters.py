@@ -16,10 +16,8 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.core.files.uploadedfile import UploadedFile
 from django.http import HttpRequest, HttpResponse
-from django.http.multipartparser import MultiPartParserError
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.urls import path
@@ -79,16 +77,8 @@ def _answer(request: HttpRequest, account: Account, result: dict[str, Any], noti
 
 
 def _read_form(request: HttpRequest, handler: upload.LimitedUploadHandler) -> dict[str, str]:
-    """The form's text fields, parsed with the streaming handler in place (it takes the files); the parser's
-    refusals and an upload cut off at the size limit as ApiErrors."""
-    try:
-        post = request.POST
-    except (RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent):
-        raise errors.request_too_large("The form has too many or too large fields") from None
-    except MultiPartParserError as exc:
-        raise errors.malformed(f"The upload could not be read: {exc}") from None
-    if handler.exceeded:
-        raise upload.too_large(handler.limit)
+    """The form's text fields (the streaming handler takes the files)."""
+    post, _ = upload.read_form(request, handler)
     return {name: post.get(name, "") for name in FORM_FIELDS}
 
 

@@ -8,8 +8,9 @@ scheduler admits the sequence it `acquire`s a slot: the adapter's weights are co
 sequence finishes or is preempted. A slot pinned by nobody may be reused, least recently released first; while
 every slot is pinned by other adapters, the sequence waits.
 
-The stacked tensors of a (layer, projection) are allocated the first time some adapter adapts it, so a model
-whose adapters touch only q and v pays for q and v.
+On CUDA the adapters sit in stacked, rank-padded tensors that the Triton kernels index per row; on CPU each is
+kept packed (see kernels/lora.py), where the number of small ops is what costs. Either way the storage of a
+(layer, projection) is made the first time some adapter adapts it, so adapters of q and v pay for q and v only.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ class _Slot:
 
 class LoRASlots:
     def __init__(self, base: BaseDims, num_layers: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, host_cache: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, host_cache: int | None = None,
+                 stacked: bool = False) -> None:
         self.base, self.num_layers = base, num_layers
+        self.stacked = stacked  # the Triton kernels' layout; packed per adapter otherwise
+        self.packed: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype, self.device = dtype, device
         self.host_cache = host_cache or 4 * max_loras
@@ -162,15 +166,23 @@ class LoRASlots:
         for key in self.a:  # whatever the slot held before must add nothing now
             self.a[key][index].zero_()
             self.b[key][index].zero_()
+        for packed in self.packed.values():
+            packed[index] = None
         rank = host.spec.rank
         targets: dict[tuple[int, str], tuple[int, ...]] = {}
         for key, subs in host.weights.items():
-            a, b = self._stack(key)
             bounds = self.bounds[key[1]]
+            targets[key] = tuple(sorted(sub for sub, _, _ in subs))
+            if not self.stacked:
+                packed = self.packed.setdefault(key, [None] * self.max_loras)
+                # fp32: these matmuls are tiny, and a CPU without native bf16 runs bf16 ones several times slower.
+                a_p, b_p = lora_ref.pack(subs, bounds, host.spec.scaling, torch.float32)
+                packed[index] = (a_p.to(self.device), b_p.to(self.device))
+                continue
+            a, b = self._stack(key)
             for sub, a_w, b_w in subs:
                 a[index, sub, :rank].copy_(a_w, non_blocking=True)
                 b[index, bounds[sub]:bounds[sub + 1], :rank].copy_(b_w, non_blocking=True)
-            targets[key] = tuple(sorted(sub for sub, _, _ in subs))
         self.slots[index] = _Slot(name=host.name, pins=self.slots[index].pins, rank=rank,
                                   scale=host.spec.scaling, targets=targets)
         self._scale[index] = host.spec.scaling
@@ -193,38 +205,43 @@ class LoRASlots:
         return [slot.name for slot in self.slots if slot.name is not None]
 
     # ----------------------------------------------------------------- per step
-    def batch(self, row_slots: np.ndarray, use_triton: bool) -> LoRABatch | None:
+    def batch(self, row_slots: np.ndarray) -> LoRABatch | None:
         """The step's view: which rows use which slot. None when no row uses an adapter."""
-        present = [int(s) for s in np.unique(row_slots) if s >= 0]
-        if not present:
+        used = np.flatnonzero(row_slots >= 0)
+        if used.size == 0:
             return None
-        groups = [(s, torch.from_numpy(np.flatnonzero(row_slots == s)).to(self.device)) for s in present]
-        slot = torch.from_numpy(row_slots.astype(np.int64)).to(self.device) if use_triton else None
-        return LoRABatch(self, groups, slot, max(self.slots[s].rank for s in present))
+        present = sorted({int(s) for s in row_slots[used]})
+        if self.stacked:
+            slot = torch.from_numpy(row_slots.astype(np.int64)).to(self.device)
+            return LoRABatch(self, present, max(self.slots[s].rank for s in present), slot=slot)
+        order = used[np.argsort(row_slots[used], kind="stable")]  # each adapter's rows together
+        sorted_slots = row_slots[order]
+        spans = []
+        for s in present:
+            start, end = np.searchsorted(sorted_slots, [s, s + 1])
+            spans.append((s, int(start), int(end)))
+        return LoRABatch(self, present, max(self.slots[s].rank for s in present),
+                         order=torch.from_numpy(order).to(self.device), spans=spans)
 
 
 class LoRABatch:
     """Adds each row's adapter to a projection's output, for the rows of one step."""
 
-    def __init__(self, slots: LoRASlots, groups: list[tuple[int, torch.Tensor]], slot: torch.Tensor | None,
-                 max_rank: int) -> None:
-        self.slots, self.groups, self.slot, self.max_rank = slots, groups, slot, max_rank
-        self._ranks = [s.rank for s in slots.slots]
-        self._scales = [s.scale for s in slots.slots]
+    def __init__(self, slots: LoRASlots, present: list[int], max_rank: int, *, slot: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None, spans: list[tuple[int, int, int]] | None = None) -> None:
+        self.slots, self.present, self.max_rank = slots, present, max_rank
+        self.slot = slot  # stacked: each row's slot, -1 for none
+        self.order, self.spans = order, spans  # packed: rows sorted by slot, and each slot's range of them
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         key = (layer, fused)
         slots = self.slots
-        if key not in slots.a:
-            return y
-        groups = [(s, rows) for s, rows in self.groups if key in slots.slots[s].targets]
-        if not groups:
+        if not any(key in slots.slots[s].targets for s in self.present):
             return y
         if self.slot is not None:
             from kernels import triton_lora
 
             return triton_lora.lora_apply(y, x, slots.a[key], slots.b[key], self.slot, slots._scale,
                                           slots.bounds[fused], max_rank=self.max_rank)
-        targets = [s.targets.get(key, ()) for s in slots.slots]
-        return lora_ref.lora_apply_grouped(y, x, slots.a[key], slots.b[key], groups, self._scales,
-                                           slots.bounds[fused], ranks=self._ranks, targets=targets)
+        assert self.order is not None and self.spans is not None
+        return lora_ref.lora_apply_packed(y, x, slots.packed[key], self.order, self.spans)

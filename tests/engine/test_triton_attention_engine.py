@@ -58,3 +58,27 @@ def test_unknown_attention_backend_is_refused(tiny_llama, monkeypatch: pytest.Mo
     monkeypatch.setenv("HEARTH_ATTENTION", "flash")
     with pytest.raises(ValueError, match="HEARTH_ATTENTION"):
         LLM(tiny_llama, EngineConfig(dtype="float32", kv_cache_memory="8MiB"))
+
+
+def test_triton_lora_kernels_in_the_engine_give_the_reference_tokens(tiny_llama, tmp_path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three adapters and the base model in one batch: the stacked layout and the Triton LoRA kernels (CUDA's
+    path) against the packed torch path (CPU's)."""
+    from inference import LoRARequest
+    from tests.lora_support import make_peft_adapter
+
+    targets = [("q_proj", "v_proj"), ("o_proj", "gate_proj", "up_proj", "down_proj"), ("k_proj",)]
+    adapters = [LoRARequest(f"t{i}", make_peft_adapter(tiny_llama, tmp_path / f"t{i}", rank=(4, 8, 2)[i],
+                                                       targets=t, seed=int.from_bytes(os.urandom(3), "little")))
+                for i, t in enumerate(targets)]
+    prompts = PROMPTS + ["Once upon a time"]
+    choice = [*adapters, None]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HEARTH_ATTENTION", backend)
+        llm = LLM(tiny_llama, EngineConfig(dtype="float32", kv_cache_memory="8MiB"))
+        assert llm.engine.lora is not None and llm.engine.lora.stacked == (backend == "triton")
+        results[backend] = [o.token_ids for o in llm.generate(prompts, params, choice)]
+    assert results["triton"] == results["torch"]
+    assert len({tuple(t) for t in results["torch"]}) == len(prompts)

@@ -1,4 +1,4 @@
-"""The Triton multi-adapter LoRA kernels, and the engine's grouped CPU path, against kernels.lora.lora_apply_ref.
+"""The Triton multi-adapter LoRA kernels, and the engine's packed CPU path, against kernels.lora.lora_apply_ref.
 
 Inputs are fresh each run (the seed comes from os.urandom and is printed on failure). On CPU the kernels run
 under TRITON_INTERPRET=1, set before Triton is imported; on CUDA they run compiled.
@@ -19,7 +19,7 @@ triton_lora = pytest.importorskip("kernels.triton_lora")
 if not triton_lora.available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-from kernels.lora import lora_apply_grouped, lora_apply_ref, slot_groups  # noqa: E402
+from kernels.lora import lora_apply_packed, lora_apply_ref, pack  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QKV = (0, 48, 72, 96)  # q wider than k and v, as with grouped-query attention
@@ -144,17 +144,26 @@ def test_strided_inputs_are_read_and_written_in_place() -> None:
     ([16, 4, 8, 1], [[0, 1, 2], [0, 2], [1], [0, 1, 2]]),
     ([6, 6, 6, 6], None),
 ])
-def test_grouped_cpu_path_matches_reference(ranks, targets) -> None:
+def test_packed_cpu_path_matches_reference(ranks, targets) -> None:
     case = make_case(24, 64, QKV, 16, ranks, targets, device="cpu")
-    ref = reference(case)
-    groups = slot_groups(case.slot)
-    assert sorted(s for s, _ in groups) == sorted(set(case.slot.tolist()) - {-1})
-    scale = case.scale.tolist()
-    exact = lora_apply_grouped(case.y.clone(), case.x, case.a, case.b, groups, scale, case.bounds,
-                               case.ranks, case.targets)
-    torch.testing.assert_close(exact, ref, atol=1e-4, rtol=1e-5, msg=case.msg)
-    padded = lora_apply_grouped(case.y.clone(), case.x, case.a, case.b, groups, scale, case.bounds)
-    torch.testing.assert_close(padded, ref, atol=1e-4, rtol=1e-5, msg=case.msg)
+    bounds = case.bounds
+    packed = [pack([(j, case.a[s, j, :r], case.b[s, bounds[j]:bounds[j + 1], :r]) for j in subs], bounds,
+                   float(case.scale[s]))
+              for s, (r, subs) in enumerate(zip(case.ranks, case.targets, strict=True))]
+    used = torch.nonzero(case.slot >= 0).flatten()
+    order = used[torch.argsort(case.slot[used], stable=True)]
+    spans, start = [], 0
+    for s in sorted(set(case.slot.tolist()) - {-1}):
+        count = int((case.slot == s).sum())
+        spans.append((s, start, start + count))
+        start += count
+    got = lora_apply_packed(case.y.clone(), case.x, packed, order, spans)
+    torch.testing.assert_close(got, reference(case), atol=1e-4, rtol=1e-5, msg=case.msg)
+    # A slot that does not adapt this projection (None) leaves its rows alone.
+    silent = lora_apply_packed(case.y.clone(), case.x, [None, *packed[1:]], order, spans)
+    rows0 = case.slot == 0
+    assert torch.equal(silent[rows0], case.y[rows0])
+    torch.testing.assert_close(silent[~rows0], reference(case)[~rows0], atol=1e-4, rtol=1e-5, msg=case.msg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
