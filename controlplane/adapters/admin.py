@@ -47,3 +47,4 @@ class AdapterAdmin(admin.ModelAdmin):
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> None:
         for adapter in queryset:
             services.delete_adapter(adapter.account_id, adapter.pk)
+

@@ -144,7 +144,7 @@ def test_lora_on_a_model_without_lora_support_is_5005(client, tenant):
     native_error(native(client, tenant, {"text": "x", "lora": "my-adapter"}, model=EMBED_MODEL), 400, 5005)
 
 
-def test_lora_adapter_not_found_until_adapters_exist(client, tenant):
+def test_an_unknown_lora_adapter_is_400_5007(client, tenant):
     message = native_error(native(client, tenant, {"prompt": "x", "lora": "nope"}), 400, 5007)
     assert "LoRA adapter" in message
 

@@ -82,8 +82,10 @@ def test_admin_has_every_model_and_its_pages_load(client, tenant):
     from django.contrib import admin
 
     ours = [m for m in apps.get_models() if m.__module__.startswith("controlplane.")]
-    assert ours and all(admin.site.is_registered(m) for m in ours)
-    for model in ours:
+    # A model edited only inside its parent's page (an adapter's files) counts as reachable.
+    inline = {i.model for a in admin.site._registry.values() for i in a.inlines}
+    assert ours and all(admin.site.is_registered(m) or m in inline for m in ours)
+    for model in (m for m in ours if admin.site.is_registered(m)):
         meta = model._meta
         changelist = client.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist"))
         assert changelist.status_code == 200, meta.label
