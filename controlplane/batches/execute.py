@@ -38,7 +38,7 @@ from controlplane.serving.views_openai import (
 from controlplane.usage.models import Source
 from controlplane.usage.models import Status as UsageStatus
 from controlplane.usage.services import UsageRecord
-from inference import FinishReason, GenerationRequest, Priority, RequestOutput
+from inference import FinishReason, GenerationRequest, LoRARequest, Priority, RequestOutput
 from inference.errors import EngineDeadError, EngineError, EngineOverloadedError
 
 
@@ -60,6 +60,8 @@ class Plan:
     body: Any  # the parsed pydantic body
     kind: str  # chat | completions | embeddings | native
     route: str
+    adapter: str = ""  # the LoRA adapter's name, "" for the base model
+    lora: LoRARequest | None = None
 
 
 def plan(item: Item, batch: Batch) -> Plan | Outcome:
@@ -67,13 +69,16 @@ def plan(item: Item, batch: Batch) -> Plan | Outcome:
     accepted); a request that no longer passes fails alone."""
     try:
         if batch.api == Batch.Api.OPENAI:
-            entry, body = check_openai_body(batch.endpoint, item.body or {}, tuple(batch.allowed_models))
+            checked = check_openai_body(batch.endpoint, item.body or {}, tuple(batch.allowed_models),
+                                        batch.account_id)
             _parser, _task, route, kind = BATCH_ENDPOINTS[batch.endpoint]
-            return Plan(item, batch, entry, body, kind, route)
-        entry = get_model(item.model)
-        if entry is None or not entry.installed:
-            raise errors.unknown_model(item.model)
-        return Plan(item, batch, entry, check_native_body(entry, item.body or {}), "native", "native")
+        else:
+            entry = get_model(item.model)
+            if entry is None or not entry.installed:
+                raise errors.unknown_model(item.model)
+            checked = check_native_body(entry, item.body or {}, batch.account_id)
+            route = kind = "native"
+        return Plan(item, batch, checked.entry, checked.body, kind, route, checked.adapter, checked.lora)
     except ApiError as exc:
         return Outcome(Item.Status.FAILED, error=error_json(exc))
 
@@ -133,7 +138,8 @@ def _usage(p: Plan, started: float, *, status: str = UsageStatus.OK, error: ApiE
     spec = (final.speculation if final is not None else None) or {}
     first = final.metrics.first_token_time if final is not None else None
     return UsageRecord(
-        account_id=p.batch.account_id, key_id=p.batch.api_key_id, model=p.entry.name, route=p.route,
+        account_id=p.batch.account_id, key_id=p.batch.api_key_id, model=p.entry.name, adapter=p.adapter,
+        route=p.route,
         status=status, http_status=error.status if error else 200, error_code=error.wire_code if error else "",
         request_id=request_id or p.item.request_id, source=Source.BATCH,
         input_tokens=usage.prompt_tokens if usage else input_tokens,
@@ -192,11 +198,10 @@ async def _generate(p: Plan, started: float) -> Outcome:
     try:
         ids = await backend.encode(model, prompt=prompt, messages=messages, raw=raw)
         params.max_tokens = pipeline.output_budget(p.entry, len(ids), max_tokens, default_max)
-        request = GenerationRequest(prompt_token_ids=ids, params=params, request_id=request_id,
-                                    priority=Priority.BATCH, speculation=pipeline.resolve_speculation(
-                                        p.entry, getattr(body, "speculation", None)),
-                                    kv_compression=pipeline.resolve_kv_compression(
-                                        getattr(body, "kv_compression", None), p.entry))
+        request = GenerationRequest(
+            prompt_token_ids=ids, params=params, request_id=request_id, priority=Priority.BATCH, lora=p.lora,
+            speculation=pipeline.resolve_speculation(p.entry, getattr(body, "speculation", None)),
+            kv_compression=pipeline.resolve_kv_compression(getattr(body, "kv_compression", None), p.entry))
         if params.logprobs is None:
             final = await backend.generate(model, request)
         else:

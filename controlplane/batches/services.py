@@ -284,7 +284,8 @@ def _items_from_lines(batch: Batch, lines: list[tuple[int, str]], now: datetime)
     seen: set[str] = set()
     for index, (number, line) in enumerate(lines):
         try:
-            custom_id, model, body = check_line(line, number, batch.endpoint, tuple(batch.allowed_models), seen)
+            custom_id, model, body = check_line(line, number, batch.endpoint, tuple(batch.allowed_models), seen,
+                                                batch.account_id)
             rows.append(Item(batch=batch, index=index, custom_id=custom_id, model=model, body=body))
         except ItemError as exc:
             rows.append(Item(batch=batch, index=index, custom_id=exc.custom_id, status=ItemStatus.FAILED,

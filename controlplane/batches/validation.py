@@ -4,12 +4,24 @@ accepted in a batch exactly when it would be accepted on its own (streaming asid
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.catalog.services import ModelEntry, get_model
 from controlplane.serving import pipeline
+from inference import LoRARequest
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One batch request as its route would accept it: the model, the parsed body and its LoRA adapter."""
+
+    entry: ModelEntry
+    body: Any
+    adapter: str = ""  # the adapter's name ("" for the base model), recorded with the usage
+    lora: LoRARequest | None = None
 
 
 class ItemError(Exception):
@@ -43,43 +55,47 @@ def sampling(parsed: Any, kind: str) -> Any:
     return pipeline.sampling_params(parsed, temperature=DEFAULT_TEMPERATURE)
 
 
-def _common(entry: ModelEntry, parsed: Any, kind: str) -> None:
+def _common(entry: ModelEntry, parsed: Any, kind: str, account_id: str,
+            model_adapter: str | None = None) -> Checked:
     if getattr(parsed, "stream", False):
         raise errors.invalid("stream: batch requests cannot stream; their results are stored", "stream")
     if not entry.is_embedding:
         sampling(parsed, kind)
-    pipeline.resolve_adapter(None, entry, getattr(parsed, "lora", None))
+    named = getattr(parsed, "lora", None)
+    if model_adapter and named and named != model_adapter:
+        raise errors.invalid(f"model names the adapter {model_adapter!r} but lora names {named!r}", "lora")
+    adapter, lora = pipeline.resolve_adapter(account_id, entry, named or model_adapter)
     pipeline.resolve_speculation(entry, getattr(parsed, "speculation", None))
     pipeline.resolve_kv_compression(getattr(parsed, "kv_compression", None))
+    return Checked(entry, parsed, adapter, lora)
 
 
-def check_openai_body(endpoint: str, body: dict[str, Any], allowed_models: tuple[str, ...]) -> tuple[ModelEntry, Any]:
-    """The body of one OpenAI batch line, as its endpoint would check it; returns the model and parsed body."""
+def check_openai_body(endpoint: str, body: dict[str, Any], allowed_models: tuple[str, ...],
+                      account_id: str) -> Checked:
+    """The body of one OpenAI batch line, as its endpoint would check it (`model` may be `<base>:<adapter>`)."""
     from controlplane.serving.views_openai import BATCH_ENDPOINTS
 
     parser, task, _route, kind = BATCH_ENDPOINTS[endpoint]
-    name = body.get("model")
-    entry = get_model(name) if isinstance(name, str) and name else None
+    name, model_adapter = pipeline.split_model_adapter(body.get("model") if isinstance(body.get("model"), str)
+                                                       else None)
+    entry = get_model(name) if name else None
     if entry is None or not entry.installed:
         parser(body, None, None)  # a malformed body is reported as such first
-        raise errors.unknown_model(str(name))
+        raise errors.unknown_model(str(body.get("model")))
     parsed = parser(body, None, entry)
     check_entry(entry, task, allowed_models)
-    _common(entry, parsed, kind)
-    return entry, parsed
+    return _common(entry, parsed, kind, account_id, model_adapter)
 
 
-def check_native_body(entry: ModelEntry, body: dict[str, Any]) -> Any:
+def check_native_body(entry: ModelEntry, body: dict[str, Any], account_id: str) -> Checked:
     """One request of a Workers AI queueRequest, checked as the run route checks a body for this model."""
     from controlplane.serving.views_native import _native_body
 
-    parsed = _native_body(body, None, entry)
-    _common(entry, parsed, "native")
-    return parsed
+    return _common(entry, _native_body(body, None, entry), "native", account_id)
 
 
 def check_line(line: str, number: int, endpoint: str, allowed_models: tuple[str, ...],
-               seen: set[str]) -> tuple[str, str, dict[str, Any]]:
+               seen: set[str], account_id: str) -> tuple[str, str, dict[str, Any]]:
     """One line of a batch input file: `{custom_id, method, url, body}`. Returns (custom_id, model, body);
     raises ItemError naming the line."""
     try:
@@ -106,7 +122,7 @@ def check_line(line: str, number: int, endpoint: str, allowed_models: tuple[str,
     if not isinstance(body, dict):
         raise ItemError(errors.invalid(f"Line {number}: body must be a JSON object", "body"), custom_id)
     try:
-        entry, _ = check_openai_body(endpoint, body, allowed_models)
+        entry = check_openai_body(endpoint, body, allowed_models, account_id).entry
     except ApiError as exc:
         exc.message = f"Line {number}: {exc.message}"
         raise ItemError(exc, custom_id) from None

@@ -149,8 +149,8 @@ def wants_queue(request: HttpRequest, raw: dict[str, Any] | None) -> bool:
     return (isinstance(options, dict) and options.get("queueRequest") is True) or "request_id" in raw
 
 
-def _native_requests(raw: dict[str, Any] | None, deferred: ApiError | None,
-                     entry: ModelEntry | None) -> list[tuple[str | None, dict[str, Any]]] | None:
+def _native_requests(raw: dict[str, Any] | None, deferred: ApiError | None, entry: ModelEntry | None,
+                     account_id: str) -> list[tuple[str | None, dict[str, Any]]] | None:
     if deferred is not None:
         raise deferred
     if entry is None:
@@ -175,7 +175,7 @@ def _native_requests(raw: dict[str, Any] | None, deferred: ApiError | None,
                                  "external_reference")
         body = {k: v for k, v in one.items() if k != "external_reference"}
         try:
-            check_native_body(entry, body)
+            check_native_body(entry, body, account_id)
         except ApiError as exc:
             exc.message = f"requests[{i}]: {exc.message}"
             raise
@@ -189,7 +189,7 @@ async def native_queue(request: HttpRequest, account_id: str, model: str, raw: d
         return await sync_to_async(_native_poll)(request, account_id, raw, deferred)
     adm = await sync_to_async(pipeline.admit)(
         request.headers.get("Authorization"), account_id=account_id, model=model,
-        body=lambda entry: _native_requests(raw, deferred, entry), lora=lambda body: None)
+        body=lambda entry: _native_requests(raw, deferred, entry, account_id), lora=lambda body: None)
     batch = await sync_to_async(services.create_native_batch)(adm.ctx, adm.entry.name, adm.body)
     return json_response(envelope({"status": "queued", "request_id": batch.pk, "model": batch.model}))
 

@@ -64,7 +64,7 @@ class Admission:
         return None if self.session else self.ctx.key_id
 
 
-def resolve_adapter(account_id: str | None, entry: ModelEntry, lora: str | None) -> tuple[str, LoRARequest | None]:
+def resolve_adapter(account_id: str, entry: ModelEntry, lora: str | None) -> tuple[str, LoRARequest | None]:
     """The adapter a request names (its id or name; the account's own or a public one), checked against the
     model: its name for usage and what the engine loads. 400 for a model without LoRA (5005), an unknown
     adapter, one made for another model, and one whose files are missing (3039)."""
@@ -72,9 +72,6 @@ def resolve_adapter(account_id: str | None, entry: ModelEntry, lora: str | None)
         return "", None
     if not entry.supports_lora:
         raise errors.lora_unsupported(entry.name)
-    if account_id is None:
-        raise errors.invalid("lora: batch requests cannot use LoRA adapters yet; send them to the model's route",
-                             "lora")
     from controlplane.adapters import services as adapters
 
     adapter = adapters.find_adapter(account_id, lora, entry.name)

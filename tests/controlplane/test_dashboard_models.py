@@ -338,13 +338,15 @@ def live_owner(live_server_url, transactional_db):
     session.close()
 
 
-def wait_for_event(timeout: float = 10.0) -> UsageEvent:
+def wait_for_event(timeout: float = 10.0, count: int = 1) -> UsageEvent:
+    """The first usage event, once `count` have been written (the server writes them after the response)."""
     import time
 
     deadline = time.monotonic() + timeout
-    while (event := UsageEvent.objects.first()) is None and time.monotonic() < deadline:
+    while UsageEvent.objects.count() < count and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert event is not None, "no usage event was written"
+    event = UsageEvent.objects.order_by("created_at").first()
+    assert event is not None and UsageEvent.objects.count() >= count, "the usage events were not written"
     return event
 
 
@@ -394,6 +396,8 @@ def test_the_playground_streams_real_tokens_and_meters_them_like_the_api(live_ow
         "model": CHAT_MODEL, "messages": messages, "max_tokens": 12, "temperature": 0})
     assert api.json()["choices"][0]["message"]["content"] == "".join(tokens)
     assert api.json()["usage"]["completion_tokens"] == event.output_tokens  # metered alike
+    # The API request's own event is written after its response; the test's teardown must not race it.
+    wait_for_event(count=2)
 
 
 @pytest.mark.real_model

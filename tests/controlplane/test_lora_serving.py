@@ -51,6 +51,11 @@ def _completion(client, tenant, model, **extra):
     return client.post("/v1/completions", data=json.dumps(body), content_type="application/json", **tenant.auth)
 
 
+@pytest.fixture(autouse=True)
+def _media(settings, tmp_path) -> None:
+    settings.MEDIA_ROOT = str(tmp_path / "media")  # uploaded adapters stay in the test's own folder
+
+
 @pytest.fixture(scope="module")
 def reference_llm() -> LLM:
     return LLM(CHAT_MODEL, EngineConfig(dtype="float32", kv_cache_memory="128MiB"))
@@ -122,3 +127,33 @@ def test_lora_refusals_are_clear_4xx(client, tenant, backend, adapter_files):
     missing = _run(client, tenant, {**GREEDY, "lora": pending.name})
     assert missing.status_code == 400 and missing.json()["errors"][0]["code"] == 3039
     assert not UsageEvent.objects.filter(account=tenant.account).exists()  # refused at admission: nothing billed
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.redis
+def test_batches_serve_each_item_with_its_adapter(client, tenant, batch_worker, adapter_files):
+    """A Workers AI queueRequest mixing two adapters and the base model, and an OpenAI batch line naming
+    `<base>:<adapter>`: each item gets what the same request gets interactively, and its usage names the adapter."""
+    from test_batches_native import poll_until_done, post
+
+    first, second = (_upload(tenant.account, f"batch-{i}", folder) for i, folder in enumerate(adapter_files))
+    choice = [first.name, None, second.id, first.id]
+    requests = [{**GREEDY, **({"lora": ref} if ref else {})} for ref in choice]
+    queued = post(client, tenant, CHAT_MODEL, {"requests": requests})
+    assert queued.status_code == 200, queued.content
+    result = poll_until_done(client, tenant, CHAT_MODEL, queued.json()["result"]["request_id"])
+    answers = [r["result"]["response"] for r in result["responses"]]
+    interactive = [_run(client, tenant, body).json()["result"]["response"] for body in requests]
+    assert answers == interactive and answers[0] == answers[3] and len(set(answers[:3])) == 3
+    batch_events = UsageEvent.objects.filter(account=tenant.account, source="batch").order_by("request_id")
+    assert sorted(e.adapter for e in batch_events) == sorted(["batch-0", "", "batch-1", "batch-0"])
+
+    from controlplane.batches.validation import check_openai_body
+
+    line = {"model": f"{CHAT_MODEL}:{second.name}", "prompt": PROMPT, "max_tokens": 4}
+    checked = check_openai_body("/v1/completions", line, (), tenant.account.pk)
+    assert checked.entry.name == CHAT_MODEL and checked.adapter == second.name
+    assert checked.lora is not None and checked.lora.name == adapters.adapter_key(second)
+
+    bad = post(client, tenant, CHAT_MODEL, {"requests": [{**GREEDY, "lora": "nope"}]})
+    assert bad.status_code == 400 and "No LoRA adapter 'nope'" in bad.json()["errors"][0]["message"]
