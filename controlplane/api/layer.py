@@ -4,9 +4,9 @@
 runs the send on a new loop of its own. The in-memory layer's queues belong to the server's loop, and waking a
 consumer from another loop is not thread-safe: the consumer only saw the message when something else woke its
 loop. So the server's loop is recorded when a WebSocket consumer connects, and any other thread hands its send
-to that loop with run_coroutine_threadsafe. Before any socket connects there is nobody to tell on this process,
-and async_to_sync does (channels_redis still needs it: another process may be listening).
-A send never raises: a lost notice only costs a chart a moment.
+to that loop with run_coroutine_threadsafe and waits for it, so that one thread's sends arrive in order. Before
+any socket connects there is nobody to tell on this process, and async_to_sync does (channels_redis still needs
+it: another process may be listening). A send never raises: a lost notice only costs a chart a moment.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from channels.layers import get_channel_layer
 
 log = logging.getLogger("controlplane.api")
 _server_loop: asyncio.AbstractEventLoop | None = None
+SEND_TIMEOUT_S = 2.0
 
 
 def remember_server_loop() -> None:
@@ -46,8 +47,14 @@ def group_send(group: str, message: dict[str, Any]) -> None:
             except RuntimeError:
                 on_that_loop = False
             if not on_that_loop:
-                asyncio.run_coroutine_threadsafe(layer.group_send(group, message), loop).add_done_callback(
-                    _log_failure)
+                # Wait for it: sends left to run side by side on the loop can overtake each other (on Redis a
+                # send is several awaits), and a dashboard must not see "cancelled" before "cancelling".
+                future = asyncio.run_coroutine_threadsafe(layer.group_send(group, message), loop)
+                try:
+                    future.result(timeout=SEND_TIMEOUT_S)
+                except TimeoutError:
+                    future.add_done_callback(_log_failure)
+                    log.warning("a channel-layer send to %s is still pending after %.0f s", group, SEND_TIMEOUT_S)
                 return
         async_to_sync(layer.group_send)(group, message)
     except Exception:

@@ -237,7 +237,7 @@ def test_an_open_socket_refreshes_without_usage_for_the_engine_gauges(tenant, mo
         socket, connected, _ = await _connect(tenant.account.pk, cookie)
         assert connected
         first = await socket.receive_json_from(timeout=10)
-        second = await socket.receive_json_from(timeout=2)
+        second = await socket.receive_json_from(timeout=10)  # ticks every 0.2 s; a busy machine may lag
         assert second["data"]["generated_at"] > first["data"]["generated_at"] and "engines" in second["data"]
         await socket.disconnect()
 
