@@ -3,6 +3,7 @@
     python -m benchmarks.speculation [--quick]
     python -m benchmarks.speculation --no-draft   (everything but the 1.5B draft-model rows)
     python -m benchmarks.speculation --chat-only [--runs N]   (the must-not-cost rows alone, N alternating runs)
+    python -m benchmarks.speculation --step-cost   (decode-step time against tokens per step, 32 sequences)
 
 Rows: prompt lookup vs no speculation (Qwen2.5-Coder-0.5B and SmolLM2-135M) on input-grounded tasks; the
 1.5B target with the 0.5B draft vs the 1.5B alone (when `make models-extra` installed it); open-ended chat
@@ -223,10 +224,52 @@ def chat_rows(runs: int) -> dict:
     return results
 
 
+def step_cost(rounds: int = 2) -> dict:
+    """What a verified draft token costs in a full batch: the 32-concurrent workload with the batch gate lifted
+    and half the sequences (the grounded ones) drafting k = 8, timing every decode step against the tokens it
+    computed. Where the step time grows in proportion to its tokens, a draft token costs as much as the token it
+    might save and speculation can only lose."""
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    llm = LLM(QWEN, EngineConfig(kv_cache_memory="1GiB", speculation="ngram", num_speculative_tokens=K,
+                                 spec_max_batch=64, spec_min_acceptance=0.0))
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    prompts = [llm.encode(messages=[{"role": "user", "content": p}]) for _, p in (GROUNDED + OPEN_CHAT)]
+    prompts = (prompts * 8)[:32]
+    schedule, planned = scheduler.schedule, {}
+
+    def recording_schedule():
+        plan = schedule()
+        planned.update(tokens=sum(c.num_tokens for c in plan.chunks), seqs=len(plan.chunks),
+                       prefill=any(c.num_draft == 0 and c.num_tokens > 1 for c in plan.chunks))
+        return plan
+
+    scheduler.schedule = recording_schedule
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    off, ngram = SpeculationSettings(SpecMode.OFF), SpeculationSettings(SpecMode.NGRAM, K)
+    steps: dict[int, list[float]] = {}
+    _generate(llm, prompts, params, off)  # warm up
+    for _ in range(rounds):
+        for n, p in enumerate(prompts):
+            engine.add_request(GenerationRequest(p, params, speculation=ngram if n % 8 < 4 else off))
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if planned.get("seqs", 0) >= 28 and not planned["prefill"]:
+                steps.setdefault(planned["tokens"] // 16 * 16, []).append(seconds)
+    return {"buckets": [{"tokens": f"{n}–{n + 15}", "steps": len(v), "ms": 1000 * statistics.median(v),
+                         "ms_per_token": 1000 * statistics.median(v) / (n + 8)}
+                        for n, v in sorted(steps.items()) if len(v) >= 3]}
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--chat-only" in sys.argv:
+    if "--step-cost" in sys.argv:
+        print("| tokens in the step | steps | median step (ms) | ms per token |\n| --- | --- | --- | --- |")
+        for b in step_cost()["buckets"]:
+            print(f"| {b['tokens']} | {b['steps']} | {b['ms']:.0f} | {b['ms_per_token']:.2f} |")
+    elif "--chat-only" in sys.argv:
         print(markdown(chat_rows(runs=int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 5)))
     else:
         print(markdown(run(quick="--quick" in sys.argv, draft="--no-draft" not in sys.argv)))
