@@ -77,6 +77,7 @@ class EngineConfig:
     kv_compression_max_tokens: int | None = None  # ... or at most this many entries per head
     kv_sink_tokens: int = 4  # the first tokens are never evicted
     kv_recent_tokens: int = 32  # nor the most recent ones
+    kv_protected_share: float = 0.5  # ... but together they take at most this share of a head's budget
     kv_min_prompt_tokens: int = 256  # prompts shorter than this are never compressed
     kv_observation_window: int = 32  # last prompt tokens whose attention scores the entries after prefill
     kv_score_pooling: int = 15  # an entry scores the most any of its neighbours within 7 received
@@ -118,6 +119,8 @@ class EngineConfig:
                 or self.kv_observation_window < 1 or self.kv_score_pooling < 1 or self.kv_score_pooling % 2 == 0:
             raise InvalidRequestError("kv sink/recent/min-prompt tokens must be >= 0, the observation window >= 1 "
                                       "and kv_score_pooling a positive odd number")
+        if not 0.0 < self.kv_protected_share <= 1.0:
+            raise InvalidRequestError("kv_protected_share must be in (0, 1]")
         if self.draft_vocab < 1:
             raise InvalidRequestError("draft_vocab must be at least 1")
         if self.max_batch_class_seqs is not None and self.max_batch_class_seqs < 1:

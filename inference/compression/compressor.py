@@ -75,14 +75,16 @@ class CompressionConfig:
     default: KVCompressionSettings | None = None  # the model's default when a request does not say
     sink_tokens: int = 4
     recent_tokens: int = 32
+    protected_share: float = 0.5  # the protected tokens take at most this share of a head's budget
     min_prompt_tokens: int = 256  # shorter prompts are left alone
     observation_window: int = 32
     score_pooling: int = 1  # max-pool received attention over this many neighbouring entries (odd)
 
     def __post_init__(self) -> None:
         if min(self.sink_tokens, self.recent_tokens) < 0 or self.observation_window < 1 or self.min_prompt_tokens < 0 \
-                or self.score_pooling < 1:
-            raise ValueError("sink/recent tokens, min_prompt_tokens >= 0; observation_window, score_pooling >= 1")
+                or self.score_pooling < 1 or not 0.0 < self.protected_share <= 1.0:
+            raise ValueError("sink/recent tokens, min_prompt_tokens >= 0; observation_window, score_pooling >= 1; "
+                             "protected_share in (0, 1]")
 
 
 class KVCompressor:
@@ -108,9 +110,19 @@ class KVCompressor:
         return CompressionState(settings, scores, observe_window=self.config.observation_window)
 
     # ----------------------------------------------------------------- when
+    def protected(self, state: CompressionState, num_tokens: int) -> tuple[int, int]:
+        """(sinks, recent): the first and last tokens every head keeps whatever their scores.
+
+        They take at most `protected_share` of a head's budget. A fixed window would take all of it at high
+        rates on short contexts (32× of 1,000 tokens keeps 31 per head), leaving nothing for what attention chose
+        and evicting every fact; capped, the rest is still spent where the scores say.
+        """
+        cap = max(1, int(state.settings.budget(num_tokens) * self.config.protected_share))
+        sinks = min(self.config.sink_tokens, cap // 2)
+        return sinks, min(self.config.recent_tokens, cap - sinks)
+
     def keep_per_head(self, state: CompressionState, num_tokens: int) -> int:
-        protected = self.config.sink_tokens + self.config.recent_tokens
-        return max(state.settings.budget(num_tokens), min(num_tokens, protected))
+        return max(state.settings.budget(num_tokens), min(num_tokens, sum(self.protected(state, num_tokens))))
 
     def due(self, state: CompressionState, blocks_entries: int, num_tokens: int, prompt_len: int,
             compressed: bool) -> bool:
@@ -134,9 +146,9 @@ class KVCompressor:
         positions = gather_blocks(self.pool.pos, table).flatten(2)[:, :, :width]  # [L, H, S]
         valid = torch.arange(width, device=device) < torch.from_numpy(lens.astype(np.int64)).to(device)[..., None]
         scores = state.scores[:, :, :width]
+        sinks, recent = self.protected(state, num_tokens)
         keep = select_keep(scores, positions, valid, num_tokens, self.keep_per_head(state, num_tokens),
-                           state.settings.method, self.config.sink_tokens, self.config.recent_tokens,
-                           self.config.score_pooling)
+                           state.settings.method, sinks, recent, self.config.score_pooling)
         before = int(lens.sum())
         keep_np = keep.cpu().numpy()
         plan = self.blocks.plan_compaction(seq_blocks, keep_np)

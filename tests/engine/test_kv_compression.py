@@ -234,3 +234,23 @@ def test_pooling_keeps_the_neighbours_of_what_was_attended() -> None:
     assert pooled[0, 0, 19:22].all()  # the token and its neighbours: the digits after the name survive
     torch.testing.assert_close(pool_scores(scores, valid, 5)[0, 0, 18:23], torch.ones(5))
     assert pool_scores(scores, valid, 5)[0, 0, 17] == 0
+
+
+def test_high_rates_on_short_contexts_keep_scored_entries_beside_the_protected_ones(tiny_llama) -> None:
+    """32 sink and recent tokens per head would be the whole budget of 16× on 200 tokens; capped at half of it,
+    the target is met and the rest of the budget goes to what attention chose."""
+    llm = _llm(tiny_llama, kv_sink_tokens=4, kv_recent_tokens=32)
+    compressor = llm.engine.compressor
+    for rate, tokens in ((16.0, 200), (32.0, 1000), (8.0, 1000), (2.0, 100)):
+        state = compressor.start(KVCompressionSettings(rate=rate), 2048)
+        budget = KVCompressionSettings(rate=rate).budget(tokens)
+        sinks, recent = compressor.protected(state, tokens)
+        assert sinks + recent <= max(1, budget // 2) and recent >= 1
+        assert (sinks, recent) == (4, 32) or budget < 72  # a roomy budget keeps the configured window
+        assert compressor.keep_per_head(state, tokens) == budget
+    out, _ = _run(llm, [PROMPT], {"rate": 16})
+    report = out[0].kv_compression
+    heads = llm.engine.model.num_layers * llm.engine.model.num_kv_heads
+    assert report["cached_entries"] <= heads * (13 + llm.engine.config.block_size + 1)
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(kv_protected_share=0.0)
