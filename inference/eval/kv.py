@@ -130,6 +130,7 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
     engine = llm.engine
     results: dict[tuple[str, float], list[float]] = {}
     achieved: dict[tuple[str, float], list[float]] = {}
+    per_item: list[dict] = []
     for number, item in enumerate(items):
         ids = llm.encode(messages=item.messages)
         agreement = item.kind == "agreement"
@@ -142,8 +143,14 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
         outputs = _run(engine, [GenerationRequest(ids, params, kv_compression=KVCompressionSettings(rate=1))])
         outputs += _run(engine, [GenerationRequest(ids, params, kv_compression=c) for _, _, c in configs[1:]])
         reference = outputs[0].token_ids
+        record: dict = {"kind": item.kind, "tokens": len(ids), "expected": item.expected, "scores": {},
+                        "answers": {}}
+        per_item.append(record)
         for (method, rate, _), out in zip(configs, outputs, strict=True):
             value = _agreement(reference, out.token_ids) if agreement else _score(item, out.text)
+            record["scores"][f"{method} {rate:g}"] = value
+            if not agreement:
+                record["answers"][f"{method} {rate:g}"] = out.text
             for key in ((method, rate),) if method != "full" else [(m.value, 1.0) for m in methods]:
                 results.setdefault(key, []).append(value)
             if out.kv_compression and out.kv_compression.get("achieved_rate"):
@@ -165,7 +172,7 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
             for kind in kinds:
                 row[kind] = _mean([v for v, i in zip(results[key], items, strict=True) if i.kind == kind])
             table.append(row)
-    return {"items": len(items), "kinds": kinds, "rows": table}
+    return {"items": len(items), "kinds": kinds, "rows": table, "per_item": per_item}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -196,14 +203,17 @@ def markdown(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--items", type=int, default=24)
+    parser.add_argument("--items", type=int, default=48)
     parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
     parser.add_argument("--methods", default=",".join(m.value for m in METHODS))
     parser.add_argument("--lengths", default="1000,2000,3000,4000")
+    parser.add_argument("--kinds", default="lookup,needle,multi,agreement")
     parser.add_argument("--short", action="store_true", help="a quick run: 4 items of 1000 tokens, rates 1, 8")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--protected-share", type=float,
+                        help="the most of a head's budget the sink and recent tokens may take (engine default)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -211,8 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.items, lengths, rates = 4, [1000], [1.0, 8.0]
     methods = [EvictionMethod(m) for m in args.methods.split(",")]
     llm = LLM(args.model, EngineConfig(dtype=args.dtype, kv_cache_memory="2GiB", max_num_batched_tokens=2048,
-                                       kv_min_prompt_tokens=128))
-    items = build_items(args.items, lengths, lambda text: len(llm.tokenizer.encode(text)), seed=args.seed)
+                                       kv_min_prompt_tokens=128,
+                                       **({} if args.protected_share is None
+                                          else {"kv_protected_share": args.protected_share})))
+    items = build_items(args.items, lengths, lambda text: len(llm.tokenizer.encode(text)), seed=args.seed,
+                        kinds=args.kinds.split(","))
     start = time.perf_counter()
     result = evaluate(llm, items, rates, methods, progress=True)
     result["seconds"] = time.perf_counter() - start
