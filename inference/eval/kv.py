@@ -6,8 +6,8 @@
 Items are built from a seeded generator: filler prose with facts planted at random depths.
 - lookup: several "access code" key-value pairs; the question asks for one of them.
 - needle: several "secret word" needles; the question asks for one.
-- multi: the question asks for two of the key-value pairs at once; the answer needs both.
-A QA item scores 1 when every expected string appears in the greedy answer. Agreement items ask for a free
+- multi: the question asks for two of the key-value pairs at once, one 'name: code' line each.
+A QA item scores the share of its expected strings that appear in the greedy answer (1 or 0 for one fact). Agreement items ask for a free
 continuation of a long document; their score is the fraction of the full-cache output reproduced before the
 first differing token.
 
@@ -80,7 +80,8 @@ def build_items(count: int, lengths: Sequence[int], count_tokens, seed: int = 0,
     items = []
     for n in range(count):
         kind, length = kinds[n % len(kinds)], lengths[(n // len(kinds)) % len(lengths)]
-        people = rng.sample([f"{a} {b}" for a in _FIRST for b in _LAST], 5)
+        # Distinct first and last names: "Jonas Novak" beside "Jonas Tanaka" tests name matching, not memory.
+        people = [f"{a} {b}" for a, b in zip(rng.sample(_FIRST, 5), rng.sample(_LAST, 5), strict=True)]
         if kind == "lookup":
             codes = [str(rng.randrange(10000, 99999)) for _ in people]
             facts = [f"The access code for {p} is {c}." for p, c in zip(people, codes, strict=True)]
@@ -99,8 +100,9 @@ def build_items(count: int, lengths: Sequence[int], count_tokens, seed: int = 0,
             codes = [str(rng.randrange(10000, 99999)) for _ in people]
             facts = [f"The access code for {p} is {c}." for p, c in zip(people, codes, strict=True)]
             first, second = rng.sample(range(len(people)), 2)
+            # Naming each person before their code gives each retrieval its own cue.
             question = (f"What are the access codes for {people[first]} and for {people[second]}? "
-                        "Answer with the two numbers only.")
+                        "Answer with one line per person, in the form 'name: code'.")
             expected = [codes[first], codes[second]]
         else:
             facts, expected = [], []
@@ -111,8 +113,13 @@ def build_items(count: int, lengths: Sequence[int], count_tokens, seed: int = 0,
 
 
 def _score(item: Item, text: str) -> float:
+    """The share of the asked facts the answer states (recall, as multi-fact QA is usually scored).
+
+    All or nothing would make a multi-fact item measure the 0.5B model's trouble with two retrievals in one
+    answer (one of the two codes wrong in 5 of 12 items with the full cache) more than what compression loses.
+    """
     lower = text.lower()
-    return float(all(e.lower() in lower for e in item.expected))
+    return sum(e.lower() in lower for e in item.expected) / len(item.expected)
 
 
 def _agreement(reference: list[int], tokens: list[int]) -> float:
@@ -134,7 +141,8 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
     for number, item in enumerate(items):
         ids = llm.encode(messages=item.messages)
         agreement = item.kind == "agreement"
-        params = SamplingParams(max_tokens=agreement_tokens if agreement else qa_tokens, temperature=0.0,
+        answer_tokens = qa_tokens * len(item.expected)  # 'name: code' lines take about 20 tokens each
+        params = SamplingParams(max_tokens=agreement_tokens if agreement else answer_tokens, temperature=0.0,
                                 ignore_eos=agreement)
         configs: list[tuple[str, float, KVCompressionSettings | None]] = [("full", 1.0, None)]
         configs += [(m.value, float(r), KVCompressionSettings(rate=float(r), method=m))

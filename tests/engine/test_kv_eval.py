@@ -6,7 +6,7 @@ import pytest
 
 from inference import LLM, EngineConfig
 from inference.compression import EvictionMethod
-from inference.eval.kv import _agreement, build_items, evaluate
+from inference.eval.kv import _agreement, _score, build_items, evaluate
 from tests.engine.conftest import QWEN, require_installed
 
 
@@ -19,6 +19,12 @@ def test_items_are_reproducible_and_hold_their_facts() -> None:
         text = item.messages[0]["content"]
         assert len(text) >= 3000 and all(e in text for e in item.expected)
     assert _agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    multi = items[2]
+    first, second = multi.expected
+    assert len(multi.expected) == 2 and first != second
+    assert _score(multi, f"Name: {first}\nOther: {second}") == 1.0
+    assert _score(multi, f"Name: {first}\nOther: 12345") == 0.5  # one of the two facts
+    assert _score(items[0], "I do not know") == 0.0
 
 
 @pytest.mark.real_model
