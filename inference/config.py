@@ -80,7 +80,9 @@ class EngineConfig:
     kv_protected_share: float = 0.5  # ... but together they take at most this share of a head's budget
     kv_min_prompt_tokens: int = 256  # prompts shorter than this are never compressed
     kv_observation_window: int = 32  # last prompt tokens whose attention scores the entries after prefill
-    kv_score_pooling: int = 15  # an entry scores the most any of its neighbours within 7 received
+    kv_spread_before: int = 8  # an entry scores the most any of the 8 entries before it received
+    kv_spread_after: int = 4  # ... or of the 4 after it
+    kv_spread_skip_prefix: int = 32  # ... except the first 32 positions, whose scores are sinks' (lent to none)
     spec_max_batch: int = 8  # more decoding sequences than this: no speculation that step
     spec_min_acceptance: float = 0.3  # a sequence whose acceptance falls below this pauses drafting
     enable_lora: bool = True  # serve requests that name a LoRA adapter
@@ -116,9 +118,10 @@ class EngineConfig:
         if self.kv_compression_rate is not None or self.kv_compression_max_tokens is not None:
             self.default_kv_compression()  # validates
         if min(self.kv_sink_tokens, self.kv_recent_tokens, self.kv_min_prompt_tokens) < 0 \
-                or self.kv_observation_window < 1 or self.kv_score_pooling < 1 or self.kv_score_pooling % 2 == 0:
-            raise InvalidRequestError("kv sink/recent/min-prompt tokens must be >= 0, the observation window >= 1 "
-                                      "and kv_score_pooling a positive odd number")
+                or self.kv_observation_window < 1 \
+                or min(self.kv_spread_before, self.kv_spread_after, self.kv_spread_skip_prefix) < 0:
+            raise InvalidRequestError("kv sink/recent/min-prompt tokens and score spreads must be >= 0, the "
+                                      "observation window >= 1")
         if not 0.0 < self.kv_protected_share <= 1.0:
             raise InvalidRequestError("kv_protected_share must be in (0, 1]")
         if self.draft_vocab < 1:

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from inference.block_manager import BlockManager
-from inference.compression import CompressionConfig, KVCompressor
+from inference.compression import CompressionConfig, KVCompressor, ScoreSpread
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from inference.errors import InvalidRequestError, PromptTooLongError
@@ -106,7 +106,8 @@ class LLMEngine:
             protected_share=self.config.kv_protected_share,
             min_prompt_tokens=self.config.kv_min_prompt_tokens,
             observation_window=self.config.kv_observation_window,
-            score_pooling=self.config.kv_score_pooling), self.pool, self.blocks)
+            spread=ScoreSpread(self.config.kv_spread_before, self.config.kv_spread_after,
+                               self.config.kv_spread_skip_prefix)), self.pool, self.blocks)
         self.sampler = Sampler()
         self.max_model_len = min(self.config.max_model_len or self.info.context_window,
                                  self.info.context_window)

@@ -6,7 +6,8 @@ from inference.compression.compressor import (
            CompressionStats,
            KVCompressor,
 )
+from inference.compression.policy import ScoreSpread
 from inference.compression.settings import EvictionMethod, KVCompressionSettings
 
 __all__ = ["CompressionConfig", "CompressionState", "CompressionStats", "EvictionMethod", "KVCompressionSettings",
-           "KVCompressor"]
+           "KVCompressor", "ScoreSpread"]

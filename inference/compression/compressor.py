@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from inference.block_manager import BlockManager
-from inference.compression.policy import select_keep
+from inference.compression.policy import NO_SPREAD, ScoreSpread, select_keep
 from inference.compression.settings import KVCompressionSettings
 from inference.kv_cache import KVPool
 from kernels import kv_compress
@@ -78,12 +78,12 @@ class CompressionConfig:
     protected_share: float = 0.5  # the protected tokens take at most this share of a head's budget
     min_prompt_tokens: int = 256  # shorter prompts are left alone
     observation_window: int = 32
-    score_pooling: int = 1  # max-pool received attention over this many neighbouring entries (odd)
+    spread: ScoreSpread = NO_SPREAD  # how entries borrow their neighbours' scores
 
     def __post_init__(self) -> None:
         if min(self.sink_tokens, self.recent_tokens) < 0 or self.observation_window < 1 or self.min_prompt_tokens < 0 \
-                or self.score_pooling < 1 or not 0.0 < self.protected_share <= 1.0:
-            raise ValueError("sink/recent tokens, min_prompt_tokens >= 0; observation_window, score_pooling >= 1; "
+                or not 0.0 < self.protected_share <= 1.0:
+            raise ValueError("sink/recent tokens, min_prompt_tokens >= 0; observation_window >= 1; "
                              "protected_share in (0, 1]")
 
 
@@ -149,7 +149,7 @@ class KVCompressor:
         scores = state.scores[:, :, :width]
         sinks, recent = self.protected(state, num_tokens)
         keep = select_keep(scores, positions, valid, num_tokens, self.keep_per_head(state, num_tokens),
-                           state.settings.method, sinks, recent, self.config.score_pooling)
+                           state.settings.method, sinks, recent, self.config.spread)
         before = int(lens.sum())
         keep_np = keep.cpu().numpy()
         plan = self.blocks.plan_compaction(seq_blocks, keep_np)

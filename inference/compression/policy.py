@@ -13,34 +13,56 @@ collect any.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from inference.compression.settings import EvictionMethod
 
 
-def pool_scores(scores: torch.Tensor, valid: torch.Tensor, window: int) -> torch.Tensor:
-    """Each entry scores the most any entry within window // 2 of it received.
+@dataclass(frozen=True, slots=True)
+class ScoreSpread:
+    """How an entry borrows the score of its neighbours before eviction.
 
-    A fact is several tokens, but queries attend to few of them (a name, not the digits after it); keeping the
-    neighbourhood of what was attended keeps the fact whole.
+    A fact is several tokens, but a question attends to few of them: the name in "the access code for Nils Sato
+    is 38631", and the first digit. The other digits draw attention only while they are being copied, after
+    compression has run, so an entry scores the most any of the `before` entries before it or the `after` entries
+    after it received. The first `skip_prefix` positions lend nothing: the start of a prompt (the chat template's
+    preamble) is where heads park attention they do not need, and spreading those sink scores filled whole
+    budgets of retrieval heads with preamble at 32× (docs/benchmarks.md).
     """
-    if window <= 1:
-        return scores
-    layers, heads, width = scores.shape
-    flat = scores.masked_fill(~valid, 0.0).reshape(layers * heads, 1, width)
-    pooled = F.max_pool1d(flat, kernel_size=window, stride=1, padding=window // 2)[..., :width]
-    return pooled.reshape(layers, heads, width)
+
+    before: int = 8
+    after: int = 4
+    skip_prefix: int = 32
+
+    def __post_init__(self) -> None:
+        if min(self.before, self.after, self.skip_prefix) < 0:
+            raise ValueError("score spread: before, after and skip_prefix must be >= 0")
+
+    def apply(self, scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if self.before == 0 and self.after == 0:
+            return scores
+        layers, heads, width = scores.shape
+        own = scores.masked_fill(~valid, 0.0)
+        lent = own.masked_fill(positions < self.skip_prefix, 0.0).reshape(layers * heads, 1, width)
+        window = self.before + self.after + 1
+        spread = F.max_pool1d(F.pad(lent, (self.before, self.after)), kernel_size=window, stride=1)
+        return torch.maximum(own, spread.reshape(layers, heads, width))
+
+
+NO_SPREAD = ScoreSpread(0, 0, 0)
 
 
 def select_keep(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, num_tokens: int,
                 keep_per_head: int, method: EvictionMethod, sinks: int, recent: int,
-                pool: int = 1) -> torch.Tensor:
+                spread: ScoreSpread = NO_SPREAD) -> torch.Tensor:
     """[L, H, S] inputs -> [L, H, S] bool: the entries to keep. Keeps at least the protected ones."""
     layers, heads, _ = scores.shape
-    scores = pool_scores(scores, valid, pool) if method is not EvictionMethod.RECENT else scores
     if method is EvictionMethod.RECENT:
         return _top_per_head(positions.float(), valid, torch.full((layers, heads), keep_per_head))
+    scores = spread.apply(scores, positions, valid)
     protected = valid & ((positions < sinks) | (positions >= num_tokens - recent))
     candidates = valid & ~protected
     if method is EvictionMethod.UNIFORM:

@@ -219,21 +219,34 @@ def test_server_switch_and_model_default(tiny_llama) -> None:
     assert short[0].kv_compression is None
     with pytest.raises(InvalidRequestError):
         EngineConfig(kv_compression_rate=0.5)
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(kv_spread_skip_prefix=-1)
 
 
-def test_pooling_keeps_the_neighbours_of_what_was_attended() -> None:
-    from inference.compression.policy import pool_scores
+def test_spread_keeps_the_fact_after_what_was_attended_but_not_the_sinks_neighbours() -> None:
+    from inference.compression import ScoreSpread
 
-    scores = torch.zeros(1, 1, 40)
-    scores[0, 0, 20] = 1.0  # a question attended to one token of a fact (a name)
-    valid = torch.ones(1, 1, 40, dtype=torch.bool)
-    positions = torch.arange(40).view(1, 1, 40)
-    plain = select_keep(scores, positions, valid, 40, 9, EvictionMethod.VARIABLE, sinks=2, recent=4)
-    pooled = select_keep(scores, positions, valid, 40, 9, EvictionMethod.VARIABLE, sinks=2, recent=4, pool=3)
-    assert plain[0, 0, 20] and not plain[0, 0, 21]
-    assert pooled[0, 0, 19:22].all()  # the token and its neighbours: the digits after the name survive
-    torch.testing.assert_close(pool_scores(scores, valid, 5)[0, 0, 18:23], torch.ones(5))
-    assert pool_scores(scores, valid, 5)[0, 0, 17] == 0
+    scores = torch.zeros(1, 1, 60)
+    scores[0, 0, 40] = 1.0  # a question attended to one token of a fact (a name)
+    scores[0, 0, 2] = 9.0  # a sink in the prompt's preamble
+    valid = torch.ones(1, 1, 60, dtype=torch.bool)
+    positions = torch.arange(60).view(1, 1, 60)
+    spread = ScoreSpread(before=3, after=1, skip_prefix=8)
+    plain = select_keep(scores, positions, valid, 60, 6, EvictionMethod.VARIABLE, sinks=2, recent=2)
+    spreading = select_keep(scores, positions, valid, 60, 10, EvictionMethod.VARIABLE, sinks=2, recent=2,
+                            spread=spread)
+    assert plain[0, 0, 40] and not plain[0, 0, 41]
+    assert spreading[0, 0, 39:44].all()  # the name, the token before it and the three after (the digits)
+    assert not spreading[0, 0, 44] and not spreading[0, 0, 3]
+    spread_scores = spread.apply(scores, positions, valid)[0, 0]
+    torch.testing.assert_close(spread_scores[39:44], torch.ones(5))
+    assert spread_scores[38] == 0 and spread_scores[44] == 0
+    assert spread_scores[3] == 0 and spread_scores[2] == 9.0  # a sink keeps its own score and lends none
+    # positions, not logical indices, decide the prefix: after a compaction the sink may sit anywhere
+    shifted = ScoreSpread(before=3, after=1, skip_prefix=0).apply(scores, positions, valid)[0, 0]
+    assert shifted[3] == 9.0
+    with pytest.raises(ValueError):
+        ScoreSpread(before=-1)
 
 
 def test_high_rates_on_short_contexts_keep_scored_entries_beside_the_protected_ones(tiny_llama) -> None:
