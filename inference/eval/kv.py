@@ -201,10 +201,12 @@ def markdown(result: dict) -> str:
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in result["kinds"]) + " |"]
     full = {r["method"]: r["qa"] for r in result["rows"] if r["rate"] == 1.0}
     for r in result["rows"]:
-        rel = f" ({r['qa'] / full[r['method']]:.0%} of full)" if full.get(r["method"]) else ""
+        rel = f" ({r['qa'] / full[r['method']]:.0%} of full)" if full.get(r["method"]) and r["qa"] is not None \
+            else ""
+        qa = "–" if r["qa"] is None else f"{r['qa']:.2f}"  # agreement-only runs (--kinds agreement) ask nothing
         cells = " | ".join("–" if r[k] is None else f"{r[k]:.2f}" for k in result["kinds"])
         lines.append(f"| {r['method']} | {r['rate']:g}× | {r['achieved_rate'] or 0:.1f}× | "
-                     f"{r['qa']:.2f}{rel} | {cells} |")
+                     f"{qa}{rel} | {cells} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from inference import LLM, EngineConfig
 from inference.compression import EvictionMethod
-from inference.eval.kv import _agreement, _score, build_items, evaluate
+from inference.eval.kv import _agreement, _score, build_items, evaluate, markdown
 from tests.engine.conftest import QWEN, require_installed
 
 
@@ -25,6 +25,10 @@ def test_items_are_reproducible_and_hold_their_facts() -> None:
     assert _score(multi, f"Name: {first}\nOther: {second}") == 1.0
     assert _score(multi, f"Name: {first}\nOther: 12345") == 0.5  # one of the two facts
     assert _score(items[0], "I do not know") == 0.0
+    only_agreement = {"kinds": ["agreement"], "rows": [
+        {"method": "variable", "rate": r, "qa": None, "agreement": a, "achieved_rate": r} for r, a in ((1.0, 1.0),
+                                                                                                     (2.0, 0.5))]}
+    assert markdown(only_agreement).splitlines()[-1] == "| variable | 2× | 2.0× | – | 0.50 |"
 
 
 @pytest.mark.real_model
