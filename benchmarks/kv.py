@@ -106,8 +106,8 @@ def markdown(r: dict) -> str:
 
 def _quality_markdown(q: dict) -> list[str]:
     return [f"Quality: `python -m inference.eval.kv`, {q['items']} items ({', '.join(q['kinds'])}), "
-             f"Qwen2.5-Coder-0.5B {q.get('dtype', 'bf16')}, greedy; {q['seconds']:.0f} s. QA score: share of answers containing every "
-             "expected string; agreement: share of the full-cache continuation reproduced before the first "
+             f"Qwen2.5-Coder-0.5B {q.get('dtype', 'bf16')}, greedy; {q['seconds']:.0f} s. QA score: share of asked facts each "
+             "answer states (multi items ask for two); agreement: share of the full-cache continuation reproduced before the first "
              "differing token.", "", eval_markdown(q), ""]
 
 
