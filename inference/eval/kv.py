@@ -7,9 +7,9 @@ Items are built from a seeded generator: filler prose with facts planted at rand
 - lookup: several "access code" key-value pairs; the question asks for one of them.
 - needle: several "secret word" needles; the question asks for one.
 - multi: the question asks for two of the key-value pairs at once, one 'name: code' line each.
-A QA item scores the share of its expected strings that appear in the greedy answer (1 or 0 for one fact). Agreement items ask for a free
-continuation of a long document; their score is the fraction of the full-cache output reproduced before the
-first differing token.
+A QA item scores the share of its expected strings that appear in the greedy answer (1 or 0 for one fact).
+Agreement items ask for a free continuation of a long document; their score is the fraction of the full-cache
+output reproduced before the first differing token.
 
 Every item is prefilled once with the full cache; each (method, rate) run then reuses that prefill through the
 prefix cache (recomputing only the final observation window) and compresses right after it, so a sweep costs
@@ -113,10 +113,10 @@ def build_items(count: int, lengths: Sequence[int], count_tokens, seed: int = 0,
 
 
 def _score(item: Item, text: str) -> float:
-    """The share of the asked facts the answer states (recall, as multi-fact QA is usually scored).
+    """The share of the asked facts the answer states (recall).
 
     All or nothing would make a multi-fact item measure the 0.5B model's trouble with two retrievals in one
-    answer (one of the two codes wrong in 5 of 12 items with the full cache) more than what compression loses.
+    answer (at least one of the two codes wrong in 5 of 12 items with the full cache) more than what compression loses.
     """
     lower = text.lower()
     return sum(e.lower() in lower for e in item.expected) / len(item.expected)
