@@ -211,8 +211,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Draft, schedule, run the model once, verify or sample, and report what each request produced."""
         outputs, self._finished_outputs = self._finished_outputs, []
-        self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1], self.token_limit,
-                          load=self.scheduler.num_unfinished)
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.next_forced is None]
+        self.spec.propose(decoding, self.token_limit, load=self.scheduler.num_unfinished)
         plan = self.scheduler.schedule()
         self._preemptions_total += len(plan.preempted)
         if not plan:
@@ -260,7 +260,14 @@ class LLMEngine:
         if plain:
             rows = [SamplingRow(c.seq.params, c.seq.generator, c.seq.request.prompt_token_ids,
                                 c.seq.output_token_ids) for c in plain]
-            sampled = self.sampler(logits[plain_rows] if spec else logits, rows)
+            plain_logits = logits[plain_rows] if spec else logits
+            sampled = self.sampler(plain_logits, rows)
+            forced = [i for i, c in enumerate(plain) if c.seq.next_forced is not None]
+            if forced:
+                given = self.sampler.score(plain_logits[forced], [rows[i] for i in forced],
+                                           [plain[i].seq.next_forced for i in forced])
+                for i, token in zip(forced, given, strict=True):
+                    sampled[i] = token
             for chunk, token in zip(plain, sampled, strict=True):
                 outputs.append(self._append_tokens(chunk.seq, [token]))
         if spec:

@@ -43,6 +43,10 @@ class GenerationRequest:
     speculation: SpeculationSettings | None = None  # None: the engine's default
     kv_compression: KVCompressionSettings | None = None  # None: the model's default
     lora: LoRARequest | None = None  # None: the base model
+    # The first output tokens, given instead of sampled (with params.logprobs, each position still reports the
+    # model's own top choices): scores a known continuation, e.g. against a full-cache reference. Sampling
+    # resumes after them.
+    forced_output: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -55,6 +59,12 @@ class GenerationRequest:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be integers")
         self.prompt_token_ids = list(ids)
+        if self.forced_output is not None:
+            forced = self.forced_output
+            if not isinstance(forced, list | tuple) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in forced):
+                raise InvalidRequestError("forced_output must be a list of token ids")
+            self.forced_output = list(forced) or None
         self.priority = Priority(self.priority)
         if self.speculation is not None and not isinstance(self.speculation, SpeculationSettings):
             raise InvalidRequestError("speculation must be a SpeculationSettings")
@@ -121,6 +131,13 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.request.prompt_token_ids + self.output_token_ids
+
+    @property
+    def next_forced(self) -> int | None:
+        """The token the next output position must take, when the request gives it."""
+        forced = self.request.forced_output
+        done = len(self.output_token_ids)
+        return forced[done] if forced is not None and done < len(forced) else None
 
     @property
     def num_uncomputed(self) -> int:

@@ -8,8 +8,10 @@ Items are built from a seeded generator: filler prose with facts planted at rand
 - needle: several "secret word" needles; the question asks for one.
 - multi: the question asks for two of the key-value pairs at once, one 'name: code' line each.
 A QA item scores the share of its expected strings that appear in the greedy answer (1 or 0 for one fact).
-Agreement items ask for a free continuation of a long document; their score is the fraction of the full-cache
-output reproduced before the first differing token.
+Agreement items ask for a free continuation of a long document. The full cache writes it greedily; each
+compressed run is then fed that continuation token by token (teacher forcing) and scored on the share of
+positions where its own greedy choice is the reference's token (next-token agreement). The share reproduced
+before the first miss, what a free-running continuation would keep, is reported beside it.
 
 Every item is prefilled once with the full cache; each (method, rate) run then reuses that prefill through the
 prefix cache (recomputing only the final observation window) and compresses right after it, so a sweep costs
@@ -25,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from inference import LLM, EngineConfig, GenerationRequest, SamplingParams
 from inference.compression import EvictionMethod, KVCompressionSettings
@@ -122,13 +124,18 @@ def _score(item: Item, text: str) -> float:
     return sum(e.lower() in lower for e in item.expected) / len(item.expected)
 
 
-def _agreement(reference: list[int], tokens: list[int]) -> float:
-    same = 0
-    for a, b in zip(reference, tokens, strict=False):
-        if a != b:
-            break
-        same += 1
-    return same / len(reference) if reference else 1.0
+def _agreement(reference: list[int], chosen: list[int]) -> tuple[float, float]:
+    """(next-token agreement, run before the first miss), both as shares of the reference continuation.
+
+    chosen[t] is the compressed model's greedy choice at position t given the reference's first t tokens, so
+    one miss does not decide every later position (a free-running comparison ends at its first difference);
+    the run before the first miss is what a free-running continuation would have reproduced.
+    """
+    if not reference:
+        return 1.0, 1.0
+    hits = [a == b for a, b in zip(reference, chosen, strict=False)]
+    run = next((n for n, hit in enumerate(hits) if not hit), len(hits))
+    return sum(hits) / len(reference), run / len(reference)
 
 
 def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Sequence[EvictionMethod],
@@ -137,6 +144,7 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
     engine = llm.engine
     results: dict[tuple[str, float], list[float]] = {}
     achieved: dict[tuple[str, float], list[float]] = {}
+    runs: dict[tuple[str, float], list[float]] = {}  # agreement items: the run before the first miss
     per_item: list[dict] = []
     for number, item in enumerate(items):
         ids = llm.encode(messages=item.messages)
@@ -149,16 +157,27 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
                     for m in methods for r in rates if r > 1]
         # The full-cache run goes first, alone, so every compressed run finds the prompt in the prefix cache.
         outputs = _run(engine, [GenerationRequest(ids, params, kv_compression=KVCompressionSettings(rate=1))])
-        outputs += _run(engine, [GenerationRequest(ids, params, kv_compression=c) for _, _, c in configs[1:]])
         reference = outputs[0].token_ids
+        if agreement:  # every compressed run is fed the reference and reports its own choice at each position
+            params = replace(params, logprobs=1)
+        forced = reference if agreement else None
+        outputs += _run(engine, [GenerationRequest(ids, params, kv_compression=c, forced_output=forced)
+                                 for _, _, c in configs[1:]])
         record: dict = {"kind": item.kind, "tokens": len(ids), "expected": item.expected, "scores": {},
                         "answers": {}}
         per_item.append(record)
         for (method, rate, _), out in zip(configs, outputs, strict=True):
-            value = _agreement(reference, out.token_ids) if agreement else _score(item, out.text)
-            record["scores"][f"{method} {rate:g}"] = value
-            if not agreement:
-                record["answers"][f"{method} {rate:g}"] = out.text
+            name = f"{method} {rate:g}"
+            if agreement:
+                chosen = reference if method == "full" else [lp.top[0][0] for lp in out.all_logprobs or []]
+                value, run = _agreement(reference, chosen)
+                record.setdefault("first_miss", {})[name] = run
+                for key in ((method, rate),) if method != "full" else [(m.value, 1.0) for m in methods]:
+                    runs.setdefault(key, []).append(run)
+            else:
+                value = _score(item, out.text)
+                record["answers"][name] = out.text
+            record["scores"][name] = value
             for key in ((method, rate),) if method != "full" else [(m.value, 1.0) for m in methods]:
                 results.setdefault(key, []).append(value)
             if out.kv_compression and out.kv_compression.get("achieved_rate"):
@@ -176,6 +195,7 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
                    "qa": _mean([v for v, i in zip(results[key], items, strict=True) if i.kind != "agreement"]),
                    "agreement": _mean([v for v, i in zip(results[key], items, strict=True)
                                        if i.kind == "agreement"]),
+                   "first_miss": _mean(runs.get(key, [])),
                    "achieved_rate": _mean(achieved.get(key, [])) if rate > 1 else 1.0}
             for kind in kinds:
                 row[kind] = _mean([v for v, i in zip(results[key], items, strict=True) if i.kind == kind])
@@ -197,14 +217,18 @@ def _run(engine, requests: list[GenerationRequest]) -> list:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| method | rate | achieved | QA score | " + " | ".join(result["kinds"]) + " |",
-             "| --- | --- | --- | --- | " + " | ".join("---" for _ in result["kinds"]) + " |"]
+    columns = list(result["kinds"])
+    if "agreement" in columns:  # the run before the first miss goes beside next-token agreement
+        columns.insert(columns.index("agreement") + 1, "first_miss")
+    titles = ["run before first miss" if c == "first_miss" else c for c in columns]
+    lines = ["| method | rate | achieved | QA score | " + " | ".join(titles) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in columns) + " |"]
     full = {r["method"]: r["qa"] for r in result["rows"] if r["rate"] == 1.0}
     for r in result["rows"]:
         rel = f" ({r['qa'] / full[r['method']]:.0%} of full)" if full.get(r["method"]) and r["qa"] is not None \
             else ""
         qa = "–" if r["qa"] is None else f"{r['qa']:.2f}"  # agreement-only runs (--kinds agreement) ask nothing
-        cells = " | ".join("–" if r[k] is None else f"{r[k]:.2f}" for k in result["kinds"])
+        cells = " | ".join("–" if r.get(k) is None else f"{r[k]:.2f}" for k in columns)
         lines.append(f"| {r['method']} | {r['rate']:g}× | {r['achieved_rate'] or 0:.1f}× | "
                      f"{qa}{rel} | {cells} |")
     return "\n".join(lines)

@@ -18,7 +18,8 @@ def test_items_are_reproducible_and_hold_their_facts() -> None:
     for item in items:
         text = item.messages[0]["content"]
         assert len(text) >= 3000 and all(e in text for e in item.expected)
-    assert _agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert _agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 0.5)  # a miss does not end the comparison
+    assert _agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, 1.0)
     multi = items[2]
     first, second = multi.expected
     assert len(multi.expected) == 2 and first != second
@@ -26,19 +27,27 @@ def test_items_are_reproducible_and_hold_their_facts() -> None:
     assert _score(multi, f"Name: {first}\nOther: 12345") == 0.5  # one of the two facts
     assert _score(items[0], "I do not know") == 0.0
     only_agreement = {"kinds": ["agreement"], "rows": [
-        {"method": "variable", "rate": r, "qa": None, "agreement": a, "achieved_rate": r} for r, a in ((1.0, 1.0),
-                                                                                                     (2.0, 0.5))]}
-    assert markdown(only_agreement).splitlines()[-1] == "| variable | 2× | 2.0× | – | 0.50 |"
+        {"method": "variable", "rate": r, "qa": None, "agreement": a, "first_miss": a / 2, "achieved_rate": r}
+        for r, a in ((1.0, 1.0), (2.0, 0.5))]}
+    table = markdown(only_agreement).splitlines()
+    assert table[0].endswith("| agreement | run before first miss |")
+    assert table[-1] == "| variable | 2× | 2.0× | – | 0.50 | 0.25 |"
 
 
 @pytest.mark.real_model
 def test_short_evaluation_on_qwen() -> None:
     require_installed(QWEN)
     llm = LLM(QWEN, EngineConfig(kv_cache_memory="1GiB", max_num_batched_tokens=2048, kv_min_prompt_tokens=128))
-    items = build_items(3, [1000], lambda text: len(llm.tokenizer.encode(text)), kinds=("lookup", "needle", "multi"))
+    items = build_items(4, [1000], lambda text: len(llm.tokenizer.encode(text)))
     result = evaluate(llm, items, [1, 8], [EvictionMethod.VARIABLE, EvictionMethod.RECENT])
     rows = {(r["method"], r["rate"]): r for r in result["rows"]}
     assert set(rows) == {("variable", 1.0), ("variable", 8.0), ("recent", 1.0), ("recent", 8.0)}
     assert rows[("variable", 1.0)]["qa"] >= 2 / 3  # the full cache answers
     assert 6.0 < rows[("variable", 8.0)]["achieved_rate"] <= 8.5
+    assert rows[("variable", 1.0)]["agreement"] == rows[("variable", 1.0)]["first_miss"] == 1.0
+    for method in ("variable", "recent"):
+        row = rows[(method, 8.0)]
+        assert 0.0 <= row["first_miss"] <= row["agreement"] <= 1.0
+    # Keeping only the last 1/8 of a 1,000-token document loses more of its continuation than evicting by attention.
+    assert rows[("recent", 8.0)]["agreement"] < rows[("variable", 8.0)]["agreement"]
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
