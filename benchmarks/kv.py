@@ -107,8 +107,9 @@ def markdown(r: dict) -> str:
 def _quality_markdown(q: dict) -> list[str]:
     return [f"Quality: `python -m inference.eval.kv`, {q['items']} items ({', '.join(q['kinds'])}), "
              f"Qwen2.5-Coder-0.5B {q.get('dtype', 'bf16')}, greedy; {q['seconds']:.0f} s. QA score: share of asked facts each "
-             "answer states (multi items ask for two); agreement: share of the full-cache continuation reproduced before the first "
-             "differing token.", "", eval_markdown(q), ""]
+             "answer states (multi items ask for two); agreement: share of the positions of the full-cache "
+             "continuation where the compressed cache, fed that continuation, picks the same next token; run "
+             "before first miss: the share it reproduces before its first different pick.", "", eval_markdown(q), ""]
 
 
 def _throughput_markdown(r: dict) -> list[str]:

@@ -76,6 +76,8 @@ class EngineConfig:
     kv_compression_rate: float | None = None  # the model's default: keep 1/rate of the KV entries
     kv_compression_max_tokens: int | None = None  # ... or at most this many entries per head
     kv_sink_tokens: int = 4  # the first tokens are never evicted
+    kv_prefix_tokens: int = 32  # ... and up to this many of them while they take at most kv_prefix_share of the
+    kv_prefix_share: float = 0.125  # budget: the prompt's opening (chat preamble) is context every continuation uses
     kv_recent_tokens: int = 32  # nor the most recent ones
     kv_protected_share: float = 0.5  # ... but together they take at most this share of a head's budget
     kv_min_prompt_tokens: int = 256  # prompts shorter than this are never compressed
@@ -124,6 +126,8 @@ class EngineConfig:
                                       "observation window >= 1")
         if not 0.0 < self.kv_protected_share <= 1.0:
             raise InvalidRequestError("kv_protected_share must be in (0, 1]")
+        if self.kv_prefix_tokens < 0 or not 0.0 <= self.kv_prefix_share <= 1.0:
+            raise InvalidRequestError("kv_prefix_tokens must be >= 0 and kv_prefix_share in [0, 1]")
         if self.draft_vocab < 1:
             raise InvalidRequestError("draft_vocab must be at least 1")
         if self.max_batch_class_seqs is not None and self.max_batch_class_seqs < 1:

@@ -103,6 +103,7 @@ class LLMEngine:
         self.compressor = KVCompressor(CompressionConfig(
             enabled=self.config.kv_compression, default=self.config.default_kv_compression(),
             sink_tokens=self.config.kv_sink_tokens, recent_tokens=self.config.kv_recent_tokens,
+            prefix_tokens=self.config.kv_prefix_tokens, prefix_share=self.config.kv_prefix_share,
             protected_share=self.config.kv_protected_share,
             min_prompt_tokens=self.config.kv_min_prompt_tokens,
             observation_window=self.config.kv_observation_window,

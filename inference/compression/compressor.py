@@ -74,6 +74,8 @@ class CompressionConfig:
     enabled: bool = True  # the server-wide switch
     default: KVCompressionSettings | None = None  # the model's default when a request does not say
     sink_tokens: int = 4
+    prefix_tokens: int = 32  # more of the first tokens are kept while they take at most prefix_share of the budget
+    prefix_share: float = 0.125
     recent_tokens: int = 32
     protected_share: float = 0.5  # the protected tokens take at most this share of a head's budget
     min_prompt_tokens: int = 256  # shorter prompts are left alone
@@ -81,10 +83,11 @@ class CompressionConfig:
     spread: ScoreSpread = NO_SPREAD  # how entries borrow their neighbours' scores
 
     def __post_init__(self) -> None:
-        if min(self.sink_tokens, self.recent_tokens) < 0 or self.observation_window < 1 or self.min_prompt_tokens < 0 \
-                or not 0.0 < self.protected_share <= 1.0:
-            raise ValueError("sink/recent tokens, min_prompt_tokens >= 0; observation_window >= 1; "
-                             "protected_share in (0, 1]")
+        if min(self.sink_tokens, self.prefix_tokens, self.recent_tokens) < 0 or self.observation_window < 1 \
+                or self.min_prompt_tokens < 0 or not 0.0 < self.protected_share <= 1.0 \
+                or not 0.0 <= self.prefix_share <= 1.0:
+            raise ValueError("sink/prefix/recent tokens, min_prompt_tokens >= 0; observation_window >= 1; "
+                             "protected_share in (0, 1]; prefix_share in [0, 1]")
 
 
 class KVCompressor:
@@ -117,9 +120,16 @@ class KVCompressor:
         on short contexts (64× of 1,300 tokens allows 21 entries per head against 36 protected), so the target
         was missed and nothing was left for what attention chose; capped, the rate holds and the rest of the
         budget still goes where the scores say.
+
+        Where the budget allows, more of the prompt's opening is kept (up to prefix_tokens, at most prefix_share of
+        the budget): a free continuation reuses the chat preamble that the last prompt tokens barely attend to
+        (next-token agreement at 2× rose from 0.88 to 0.93, docs/benchmarks.md), while at 32× of a short context
+        the first tokens stay few and the budget goes to the facts.
         """
-        cap = max(1, int(state.settings.budget(num_tokens) * self.config.protected_share))
-        sinks = min(self.config.sink_tokens, cap // 2)
+        budget = state.settings.budget(num_tokens)
+        cap = max(1, int(budget * self.config.protected_share))
+        prefix = max(self.config.sink_tokens, min(self.config.prefix_tokens, int(budget * self.config.prefix_share)))
+        sinks = min(prefix, cap // 2)
         return sinks, min(self.config.recent_tokens, cap - sinks)
 
     def keep_per_head(self, state: CompressionState, num_tokens: int) -> int:

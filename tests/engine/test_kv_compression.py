@@ -254,16 +254,21 @@ def test_high_rates_on_short_contexts_keep_scored_entries_beside_the_protected_o
     the target is met and the rest of the budget goes to what attention chose."""
     llm = _llm(tiny_llama, kv_sink_tokens=4, kv_recent_tokens=32)
     compressor = llm.engine.compressor
-    for rate, tokens in ((16.0, 200), (32.0, 1000), (8.0, 1000), (2.0, 100)):
+    # (rate, tokens): (first tokens, recent tokens) kept whatever their scores. A roomy budget keeps the whole
+    # opening (32) and window (32); the opening takes at most 1/8 of a budget, but never fewer than 4 sinks.
+    expected = {(16.0, 200): (3, 3), (32.0, 1000): (4, 12), (32.0, 1300): (5, 15), (8.0, 1000): (15, 32),
+                (2.0, 100): (6, 19), (2.0, 1000): (32, 32)}
+    for (rate, tokens), window in expected.items():
         state = compressor.start(KVCompressionSettings(rate=rate), 2048)
         budget = KVCompressionSettings(rate=rate).budget(tokens)
         sinks, recent = compressor.protected(state, tokens)
+        assert (sinks, recent) == window
         assert sinks + recent <= max(1, budget // 2) and recent >= 1
-        assert (sinks, recent) == (4, 32) or budget < 72  # a roomy budget keeps the configured window
         assert compressor.keep_per_head(state, tokens) == budget
     out, _ = _run(llm, [PROMPT], {"rate": 16})
     report = out[0].kv_compression
     heads = llm.engine.model.num_layers * llm.engine.model.num_kv_heads
     assert report["cached_entries"] <= heads * (13 + llm.engine.config.block_size + 1)
-    with pytest.raises(InvalidRequestError):
-        EngineConfig(kv_protected_share=0.0)
+    for bad in ({"kv_protected_share": 0.0}, {"kv_prefix_share": 1.5}, {"kv_prefix_tokens": -1}):
+        with pytest.raises(InvalidRequestError):
+            EngineConfig(**bad)
