@@ -166,6 +166,8 @@ class LLMEngine:
         vocab = self.model.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in request.forced_output or ()):
+            raise InvalidRequestError(f"forced_output token ids must be in [0, {vocab})")
         spec = request.speculation
         if spec is not None and spec.enabled and spec.mode not in self.spec.drafters:
             raise InvalidRequestError(f"speculation {spec.mode.value!r} is not available on this model")

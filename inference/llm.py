@@ -50,8 +50,11 @@ class LLM:
             lora = [lora] * len(prompt_ids)
         if len(params) != len(prompt_ids) or len(lora) != len(prompt_ids):
             raise ValueError("give one SamplingParams (and LoRARequest), or one per prompt")
-        requests = [GenerationRequest(prompt_token_ids=list(p), params=sp, lora=adapter)
-                    for p, sp, adapter in zip(prompt_ids, params, lora, strict=True)]
+        return self.generate_requests([GenerationRequest(prompt_token_ids=list(p), params=sp, lora=adapter)
+                                       for p, sp, adapter in zip(prompt_ids, params, lora, strict=True)])
+
+    def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[RequestOutput]:
+        """Run fully formed requests (compression, speculation, forced output...) to the end; outputs in order."""
         for request in requests:  # validate all before queueing any
             self.engine.validate(request)
         for request in requests:

@@ -141,7 +141,6 @@ def _agreement(reference: list[int], chosen: list[int]) -> tuple[float, float]:
 def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Sequence[EvictionMethod],
              qa_tokens: int = 20, agreement_tokens: int = 64, progress: bool = False) -> dict:
     """Scores per (method, rate); rate 1 is the full cache."""
-    engine = llm.engine
     results: dict[tuple[str, float], list[float]] = {}
     achieved: dict[tuple[str, float], list[float]] = {}
     runs: dict[tuple[str, float], list[float]] = {}  # agreement items: the run before the first miss
@@ -156,13 +155,14 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
         configs += [(m.value, float(r), KVCompressionSettings(rate=float(r), method=m))
                     for m in methods for r in rates if r > 1]
         # The full-cache run goes first, alone, so every compressed run finds the prompt in the prefix cache.
-        outputs = _run(engine, [GenerationRequest(ids, params, kv_compression=KVCompressionSettings(rate=1))])
+        outputs = llm.generate_requests([GenerationRequest(ids, params,
+                                                           kv_compression=KVCompressionSettings(rate=1))])
         reference = outputs[0].token_ids
         if agreement:  # every compressed run is fed the reference and reports its own choice at each position
             params = replace(params, logprobs=1)
         forced = reference if agreement else None
-        outputs += _run(engine, [GenerationRequest(ids, params, kv_compression=c, forced_output=forced)
-                                 for _, _, c in configs[1:]])
+        outputs += llm.generate_requests([GenerationRequest(ids, params, kv_compression=c, forced_output=forced)
+                                          for _, _, c in configs[1:]])
         record: dict = {"kind": item.kind, "tokens": len(ids), "expected": item.expected, "scores": {},
                         "answers": {}}
         per_item.append(record)
@@ -205,15 +205,6 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
-
-
-def _run(engine, requests: list[GenerationRequest]) -> list:
-    for request in requests:
-        engine.add_request(request)
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[r.request_id] for r in requests]
 
 
 def markdown(result: dict) -> str:

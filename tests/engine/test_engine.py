@@ -135,22 +135,13 @@ def test_mixed_sampling_parameters_in_one_batch(tiny_llama, reference) -> None:
     assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in logprobs)
 
 
-def _run_requests(llm: LLM, requests: list[GenerationRequest]) -> list:
-    for request in requests:
-        llm.engine.add_request(request)
-    done = {}
-    while llm.engine.has_unfinished():
-        done.update({o.request_id: o for o in llm.engine.step() if o.finished})
-    return [done[r.request_id] for r in requests]
-
-
 @pytest.mark.parametrize("speculation", ["off", "ngram"])
 def test_forced_output_scores_a_given_continuation(tiny_llama, reference, speculation: str) -> None:
     llm = _llm(tiny_llama, speculation=speculation)
     prompt = llm.encode(PROMPTS[2], raw=True)
     scoring = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     other = [(t * 7 + 3) % 1000 for t in reference[2][:10]]  # a continuation the model would not write
-    own, given, free = _run_requests(llm, [
+    own, given, free = llm.generate_requests([
         GenerationRequest(prompt, scoring, forced_output=reference[2]),
         GenerationRequest(prompt, scoring, forced_output=other),
         GenerationRequest(prompt, scoring)])
@@ -164,11 +155,14 @@ def test_forced_output_scores_a_given_continuation(tiny_llama, reference, specul
     assert given.all_logprobs[0].top[0][0] == reference[2][0]
     assert all(lp.logprob <= lp.top[0][2] + 1e-6 for lp in given.all_logprobs)
     assert sum(lp.top[0][0] == t for lp, t in zip(given.all_logprobs[:10], other, strict=True)) < 10
-    assert given.token_ids[10:] == _run_requests(
-        llm, [GenerationRequest(prompt + other, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))]
+    assert given.token_ids[10:] == llm.generate_requests(
+        [GenerationRequest(prompt + other, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))]
     )[0].token_ids
     with pytest.raises(InvalidRequestError, match="forced_output"):
         GenerationRequest(prompt, scoring, forced_output=[1, "two"])
+    with pytest.raises(InvalidRequestError, match="forced_output"):  # past the vocabulary: refused, not failed
+        llm.generate_requests([GenerationRequest(prompt, scoring, forced_output=[10**9])])
+    assert not llm.engine.has_unfinished()
 
 
 def test_seeds_differ_and_unseeded_requests_vary(tiny_llama) -> None:
