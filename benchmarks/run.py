@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
 
-    python -m benchmarks.run [--only engine|speculation|api|batch|kv|dashboard|lora] [--quick]
+    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora] [--quick]
 
 Each benchmark runs in its own process so one's memory and threads never colour another's figures.
 """
@@ -21,7 +21,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative decoding (CPU)",
             "api": "Control plane API", "batch": "Batches: interactive latency and batch throughput",
             "kv": "KV-cache compression (CPU)", "dashboard": "Dashboard pages with 1,000,000 usage events",
-            "lora": "LoRA adapters: many in one batch (CPU)"}
+            "lora": "LoRA adapters: many in one batch (CPU)",
+            "kernels": "Triton kernels against their torch references (CUDA)"}
 
 
 def _machine() -> str:
