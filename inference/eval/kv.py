@@ -207,6 +207,38 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def head_to_head(result: dict, first: str = "variable", second: str = "uniform") -> list[dict]:
+    """Per rate, on how many items `first` scores above and below `second` (QA and agreement apart).
+
+    Means hide whether a gain is broad or one item's; the counts say it, and a sign test reads straight off them.
+    """
+    rates = sorted({r["rate"] for r in result["rows"] if r["method"] == first and r["rate"] > 1}
+                   & {r["rate"] for r in result["rows"] if r["method"] == second})
+    rows = []
+    for rate in rates:
+        row: dict = {"rate": rate}
+        for group in ("qa", "agreement"):
+            pairs = [(i["scores"][f"{first} {rate:g}"], i["scores"][f"{second} {rate:g}"])
+                     for i in result.get("per_item", []) if (i["kind"] == "agreement") == (group == "agreement")]
+            row[group] = {"higher": sum(a > b for a, b in pairs), "lower": sum(a < b for a, b in pairs),
+                          "items": len(pairs)}
+        rows.append(row)
+    return rows
+
+
+def _head_to_head_markdown(result: dict) -> list[str]:
+    rows = head_to_head(result)
+    if not rows:
+        return []
+    lines = ["", "Variable against uniform, item by item (items where variable scores higher / lower):", "",
+             "| rate | QA items | agreement items |", "| --- | --- | --- |"]
+    for row in rows:
+        cells = ["–" if row[g]["items"] == 0 else f"{row[g]['higher']} / {row[g]['lower']} of {row[g]['items']}"
+                 for g in ("qa", "agreement")]
+        lines.append(f"| {row['rate']:g}× | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     columns = list(result["kinds"])
     if "agreement" in columns:  # the run before the first miss goes beside next-token agreement
@@ -222,7 +254,7 @@ def markdown(result: dict) -> str:
         cells = " | ".join("–" if r.get(k) is None else f"{r[k]:.2f}" for k in columns)
         lines.append(f"| {r['method']} | {r['rate']:g}× | {r['achieved_rate'] or 0:.1f}× | "
                      f"{qa}{rel} | {cells} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _head_to_head_markdown(result))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

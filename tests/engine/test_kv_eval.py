@@ -6,7 +6,7 @@ import pytest
 
 from inference import LLM, EngineConfig
 from inference.compression import EvictionMethod
-from inference.eval.kv import _agreement, _score, build_items, evaluate, markdown
+from inference.eval.kv import _agreement, _score, build_items, evaluate, head_to_head, markdown
 from tests.engine.conftest import QWEN, require_installed
 
 
@@ -32,6 +32,21 @@ def test_items_are_reproducible_and_hold_their_facts() -> None:
     table = markdown(only_agreement).splitlines()
     assert table[0].endswith("| agreement | run before first miss |")
     assert table[-1] == "| variable | 2× | 2.0× | – | 0.50 | 0.25 |"
+
+
+def test_head_to_head_counts_items_each_method_wins() -> None:
+    def item(kind: str, variable: float, uniform: float) -> dict:
+        return {"kind": kind, "scores": {"full 1": 1.0, "variable 8": variable, "uniform 8": uniform}}
+
+    result = {"kinds": ["agreement", "lookup"], "per_item": [
+        item("lookup", 1.0, 0.0), item("lookup", 0.5, 0.5), item("lookup", 0.0, 0.5),
+        item("agreement", 0.7, 0.6), item("agreement", 0.8, 0.5), item("agreement", 0.4, 0.4)],
+        "rows": [{"method": m, "rate": r, "qa": 0.5, "agreement": 0.5, "first_miss": 0.1, "lookup": 0.5,
+                  "achieved_rate": r} for m in ("variable", "uniform") for r in (1.0, 8.0)]}
+    assert head_to_head(result) == [{"rate": 8.0, "qa": {"higher": 1, "lower": 1, "items": 3},
+                                     "agreement": {"higher": 2, "lower": 0, "items": 3}}]
+    assert markdown(result).splitlines()[-1] == "| 8× | 1 / 1 of 3 | 2 / 0 of 3 |"
+    assert head_to_head(result, "variable", "recent") == []  # nothing to compare with
 
 
 @pytest.mark.real_model
