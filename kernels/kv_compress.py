@@ -41,6 +41,32 @@ def decode_received_attention_ref(
     return _probabilities(scores, mask.unsqueeze(2), softcap).sum(dim=2)
 
 
+def paged_decode_attention_received_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention and the attention each entry received, from one pass over the gathered blocks.
+
+    A sequence being compressed needs both every step; computed apart, its keys were gathered and widened twice,
+    and on CPU that was over a third of a compressed decode step's attention time. q [B, Hq, D] -> (out
+    [B, Hq, D] in q's dtype, as paged_decode_attention_ref; received [B, Hkv, S] fp32, as
+    decode_received_attention_ref)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = block_tables.shape[1]
+    groups = num_q_heads // num_kv_heads
+    k = gather_blocks(k_cache, block_tables).flatten(2, 3).float()  # [B, Hkv, S, D]
+    qg = q.view(batch, num_kv_heads, groups, head_dim).float()
+    probs = _probabilities(torch.matmul(qg, k.transpose(-1, -2)) * scale, mask.unsqueeze(2), softcap)
+    v = gather_blocks(v_cache, block_tables).flatten(2, 3).float()
+    out = torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    return out, probs.sum(dim=2)
+
+
 def prefill_received_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

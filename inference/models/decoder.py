@@ -254,18 +254,17 @@ class DecoderLM:
             if self.triton is not None:
                 out[rows] = self.triton.decode(q[rows], kv.k, kv.v, kv.pos, tables, lens, batch.positions[rows],
                                                self.scale, window, softcap)
-            else:
-                out[rows] = pa.paged_decode_attention_ref(
-                    q[rows], kv.k, kv.v, tables, self._decode_mask(index, window, group, tables, batch, kv),
-                    self.scale, softcap)
-            if group.observers is not None:
-                if self.triton is not None:
+                if group.observers is not None:
                     received = self.triton.received(q[rows], kv.k, kv.pos, tables, lens, batch.positions[rows],
                                                     self.scale, window, softcap)
-                else:
-                    received = kc.decode_received_attention_ref(
-                        q[rows], kv.k, tables, self._decode_mask(index, window, group, tables, batch, kv),
-                        self.scale, softcap)
+            else:
+                mask = self._decode_mask(index, window, group, tables, batch, kv)
+                if group.observers is None:
+                    out[rows] = pa.paged_decode_attention_ref(q[rows], kv.k, kv.v, tables, mask, self.scale, softcap)
+                else:  # one pass gives the output and the scores of the sequences being compressed
+                    out[rows], received = kc.paged_decode_attention_received_ref(q[rows], kv.k, kv.v, tables, mask,
+                                                                                 self.scale, softcap)
+            if group.observers is not None:
                 for row, observer in enumerate(group.observers):
                     if observer is not None:
                         observer.add(index, received[row])

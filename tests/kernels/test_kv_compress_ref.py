@@ -69,3 +69,43 @@ def test_move_entries_handles_overlapping_sources_and_destinations() -> None:
     torch.testing.assert_close(k.view(-1, 16)[:5], k0.view(-1, 16)[src])
     torch.testing.assert_close(v.view(-1, 16)[:5], v0.view(-1, 16)[src])
     assert pos.view(-1)[:5].tolist() == p0.view(-1)[src].tolist()
+
+
+def _random_pool(gen: torch.Generator, batch: int, hkv: int, lens_max: int, block_size: int, head_dim: int):
+    """Per-(sequence, head) random lengths (one head with a single entry), blocks placed at random, gapped
+    stored positions ending at the query's own."""
+    lens = torch.randint(1, lens_max + 1, (batch, hkv), generator=gen)
+    lens[0, -1] = 1
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = batch * hkv * width + 3
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * hkv * width].view(batch, hkv, width)
+    pos_cache = torch.full((num_blocks, block_size), -1, dtype=torch.int32)
+    q_positions = torch.full((batch,), 3 * lens_max, dtype=torch.int32)
+    for b in range(batch):
+        for h in range(hkv):
+            n = int(lens[b, h])
+            pos = torch.sort(torch.randperm(3 * lens_max, generator=gen)[: n - 1]).values
+            idx = torch.arange(n)
+            flat = tables[b, h, idx // block_size] * block_size + idx % block_size
+            pos_cache.view(-1)[flat] = torch.cat([pos, q_positions[b: b + 1].long()]).int()
+    k_cache = torch.randn(num_blocks, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, head_dim, generator=gen)
+    return k_cache, v_cache, pos_cache, tables, lens, q_positions
+
+
+def test_fused_decode_attention_and_received_match_the_two_references() -> None:
+    for seed, (batch, hkv, groups, lens_max, window, softcap) in enumerate(
+            [(3, 2, 3, 37, None, None), (2, 3, 1, 20, 11, None), (4, 1, 4, 9, None, 5.0)]):
+        gen = torch.Generator().manual_seed(100 + seed)
+        k_cache, v_cache, pos_cache, tables, lens, q_positions = _random_pool(gen, batch, hkv, lens_max, 4, 16)
+        q = torch.randn(batch, hkv * groups, 16, generator=gen)
+        mask = pa.decode_mask(pos_cache, tables, lens, q_positions, window)
+        out, received = kc.paged_decode_attention_received_ref(q, k_cache, v_cache, tables, mask, 0.3, softcap)
+        torch.testing.assert_close(out, pa.paged_decode_attention_ref(q, k_cache, v_cache, tables, mask, 0.3,
+                                                                      softcap), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(received, kc.decode_received_attention_ref(q, k_cache, tables, mask, 0.3,
+                                                                              softcap), atol=1e-6, rtol=1e-6)
+        assert torch.all(received.masked_fill(mask.expand_as(received), 0.0) == 0)  # unseen entries get nothing
+        bf16 = kc.paged_decode_attention_received_ref(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables,
+                                                      mask, 0.3, softcap)[0]
+        assert bf16.dtype == torch.bfloat16  # the output keeps the model's dtype
