@@ -32,13 +32,17 @@ def decode_received_attention_ref(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q [B, Hq, D]; block_tables [B, Hkv, nb]; mask [B, Hkv or 1, S] -> [B, Hkv, S] fp32."""
+    return _decode_probabilities(q, k_cache, block_tables, mask, scale, softcap).sum(dim=2)
+
+
+def _decode_probabilities(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor,
+                          scale: float, softcap: float | None) -> torch.Tensor:
+    """fp32 attention probabilities of one query per sequence: [B, Hkv, G, S]."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = block_tables.shape[1]
-    groups = num_q_heads // num_kv_heads
     k = gather_blocks(k_cache, block_tables).flatten(2, 3).float()  # [B, Hkv, S, D]
-    qg = q.view(batch, num_kv_heads, groups, head_dim).float()
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-    return _probabilities(scores, mask.unsqueeze(2), softcap).sum(dim=2)
+    qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim).float()
+    return _probabilities(torch.matmul(qg, k.transpose(-1, -2)) * scale, mask.unsqueeze(2), softcap)
 
 
 def paged_decode_attention_received_ref(
@@ -56,15 +60,9 @@ def paged_decode_attention_received_ref(
     and on CPU that was over a third of a compressed decode step's attention time. q [B, Hq, D] -> (out
     [B, Hq, D] in q's dtype, as paged_decode_attention_ref; received [B, Hkv, S] fp32, as
     decode_received_attention_ref)."""
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = block_tables.shape[1]
-    groups = num_q_heads // num_kv_heads
-    k = gather_blocks(k_cache, block_tables).flatten(2, 3).float()  # [B, Hkv, S, D]
-    qg = q.view(batch, num_kv_heads, groups, head_dim).float()
-    probs = _probabilities(torch.matmul(qg, k.transpose(-1, -2)) * scale, mask.unsqueeze(2), softcap)
+    probs = _decode_probabilities(q, k_cache, block_tables, mask, scale, softcap)
     v = gather_blocks(v_cache, block_tables).flatten(2, 3).float()
-    out = torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
-    return out, probs.sum(dim=2)
+    return torch.matmul(probs, v).reshape(q.shape).to(q.dtype), probs.sum(dim=2)
 
 
 def prefill_received_attention_ref(
