@@ -13,6 +13,7 @@ import torch
 from inference.block_manager import SeqBlocks
 from inference.compression.compressor import CompressionState
 from inference.compression.settings import KVCompressionSettings
+from inference.constrained.constraint import Constraint
 from inference.errors import InvalidRequestError
 from inference.lora.slots import HostAdapter, LoRARequest
 from inference.outputs import FinishReason, RequestMetrics
@@ -47,6 +48,8 @@ class GenerationRequest:
     # model's own top choices): scores a known continuation, e.g. against a full-cache reference. Sampling
     # resumes after them.
     forced_output: list[int] | None = None
+    # The grammar the output must match (JSON schema, regex, tool calls, ...); None: free text.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.request_id is None:
@@ -70,6 +73,8 @@ class GenerationRequest:
             raise InvalidRequestError("speculation must be a SpeculationSettings")
         if self.kv_compression is not None:
             self.kv_compression = KVCompressionSettings.parse(self.kv_compression)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidRequestError("constraint must be a Constraint")
         if self.lora is not None:
             if not isinstance(self.lora, LoRARequest):
                 raise InvalidRequestError("lora must be a LoRARequest")
