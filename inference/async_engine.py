@@ -58,9 +58,11 @@ class AsyncEngine:
         return cls(LLMEngine.from_model(name_or_path, config))
 
     # ----------------------------------------------------------------- front end
-    def encode(self, prompt: str | None = None, messages: list | None = None, raw: bool = False) -> list[int]:
+    def encode(self, prompt: str | None = None, messages: list | None = None, raw: bool = False,
+               tools: list | None = None) -> list[int]:
         with self._tokenizer_lock:
-            return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw)
+            return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw,
+                                 **({"tools": tools} if tools else {}))  # TEMP until prompts take tools
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue a request; sink receives every RequestOutput (or an exception) on the loop thread."""

@@ -7,14 +7,14 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from django.utils.dateparse import parse_datetime
-from pydantic import Field
 
 from controlplane.accounts import services
 from controlplane.accounts.models import Account, ApiKey
+from controlplane.accounts.schemas import KeyCreate
 from controlplane.api import errors
 from controlplane.api.auth import principal
+from controlplane.api.body import parse
 from controlplane.api.http import api_view, envelope, json_response, read_json
-from controlplane.serving.schemas import StrictBody, parse
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -31,13 +31,6 @@ def key_json(key: ApiKey) -> dict[str, Any]:
     }
 
 
-class KeyCreate(StrictBody):
-    name: str = Field("default", min_length=1, max_length=100)
-    permission: str = Field(ApiKey.Permission.RUN, description="read, run or admin")
-    models: list[str] = Field(default_factory=list, description="Model names; empty: every model.")
-    expires_on: str | None = Field(None, description="ISO 8601 time after which the key stops working.")
-    requests_per_minute: int | None = Field(None, ge=0)
-    tokens_per_minute: int | None = Field(None, ge=0)
 
 
 @api_view("native", ("GET",))

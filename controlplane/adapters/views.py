@@ -13,23 +13,19 @@ from django.core.files.uploadedfile import UploadedFile
 from django.http import HttpRequest, HttpResponse
 from django.http.multipartparser import MultiPartParserError
 from django.utils.datastructures import MultiValueDict
-from pydantic import Field
 
 from controlplane.accounts.models import Account, ApiKey
 from controlplane.adapters import services, upload
+from controlplane.adapters.schemas import FinetuneCreate
 from controlplane.api import errors
 from controlplane.api.auth import Principal, principal
+from controlplane.api.body import parse
 from controlplane.api.http import api_view, envelope, json_response, read_json
-from controlplane.serving.schemas import StrictBody, parse
 
 # Plain strings: the permission check quotes them in its message.
 READ, ADMIN = ApiKey.Permission.READ.value, ApiKey.Permission.ADMIN.value
 
 
-class FinetuneCreate(StrictBody):
-    name: str = Field(description="Unique in the account: letters, digits, '.', '_', '-'; up to 100 characters.")
-    model: str = Field(description="The base model the adapter was trained for, e.g. @hearth/smollm2-135m-instruct.")
-    description: str = ""
 
 
 def _is_multipart(request: HttpRequest) -> bool:

@@ -19,6 +19,8 @@ from controlplane.api.errors import ApiError
 
 log = logging.getLogger("controlplane.api")
 
+AFFINITY_HEADER = "x-session-affinity"  # an opaque session id a client sends; recorded with the usage
+
 
 def dumps(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)

@@ -12,8 +12,8 @@ from django.shortcuts import render
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from controlplane.accounts.views import KeyCreate
-from controlplane.adapters.views import FinetuneCreate
+from controlplane.accounts.schemas import KeyCreate
+from controlplane.adapters.schemas import FinetuneCreate
 from controlplane.api.http import json_response
 from controlplane.batches.schemas import BatchCreate, NativePoll, NativeQueueRequest
 from controlplane.serving.schemas import (

@@ -11,9 +11,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
@@ -22,23 +20,17 @@ from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.batches.models import Batch, Item
 from controlplane.batches.services import Claim, Outcome, error_json, renew
-from controlplane.batches.validation import check_native_body, check_openai_body, sampling
-from controlplane.catalog.services import ModelEntry, get_model
+from controlplane.batches.validation import check_native_body, check_openai_body
+from controlplane.catalog.services import get_model
 from controlplane.serving import pipeline
 from controlplane.serving.dispatch import get_backend
-from controlplane.serving.views_native import DEFAULT_MAX_TOKENS
-from controlplane.serving.views_native import usage_json as native_usage_json
-from controlplane.serving.views_openai import (
-    BATCH_ENDPOINTS,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    chat_payload,
-    completion_payload,
-    embedding_payload,
-)
+from controlplane.serving.generation import Run, failed_output
+from controlplane.serving.job import Job, Work
+from controlplane.serving.protocol import ENDPOINTS, NATIVE, Endpoint
 from controlplane.usage.models import Source
 from controlplane.usage.models import Status as UsageStatus
 from controlplane.usage.services import UsageRecord
-from inference import FinishReason, GenerationRequest, LoRARequest, Priority, RequestOutput
+from inference import Priority
 from inference.errors import EngineDeadError, EngineError, EngineOverloadedError
 
 
@@ -56,12 +48,8 @@ class Plan:
 
     item: Item
     batch: Batch
-    entry: ModelEntry
-    body: Any  # the parsed pydantic body
-    kind: str  # chat | completions | embeddings | native
-    route: str
-    adapter: str = ""  # the LoRA adapter's name, "" for the base model
-    lora: LoRARequest | None = None
+    endpoint: Endpoint
+    job: Job
 
 
 def plan(item: Item, batch: Batch) -> Plan | Outcome:
@@ -69,16 +57,13 @@ def plan(item: Item, batch: Batch) -> Plan | Outcome:
     accepted); a request that no longer passes fails alone."""
     try:
         if batch.api == Batch.Api.OPENAI:
-            checked = check_openai_body(batch.endpoint, item.body or {}, tuple(batch.allowed_models),
-                                        batch.account_id)
-            _parser, _task, route, kind = BATCH_ENDPOINTS[batch.endpoint]
-        else:
-            entry = get_model(item.model)
-            if entry is None or not entry.installed:
-                raise errors.unknown_model(item.model)
-            checked = check_native_body(entry, item.body or {}, batch.account_id)
-            route = kind = "native"
-        return Plan(item, batch, checked.entry, checked.body, kind, route, checked.adapter, checked.lora)
+            job = check_openai_body(batch.endpoint, item.body or {}, tuple(batch.allowed_models),
+                                    batch.account_id)
+            return Plan(item, batch, ENDPOINTS[batch.endpoint], job)
+        entry = get_model(item.model)
+        if entry is None or not entry.installed:
+            raise errors.unknown_model(item.model)
+        return Plan(item, batch, NATIVE, check_native_body(entry, item.body or {}, batch.account_id))
     except ApiError as exc:
         return Outcome(Item.Status.FAILED, error=error_json(exc))
 
@@ -125,102 +110,58 @@ def run_claimed(claim: Claim, item: Item, batch: Batch) -> Outcome:
 async def _run(p: Plan) -> Outcome:
     started = time.monotonic()
     try:
-        if p.kind == "embeddings" or (p.kind == "native" and p.entry.is_embedding):
+        if p.job.work is Work.EMBED:
             return await _embed(p, started)
         return await _generate(p, started)
     except (EngineOverloadedError, EngineDeadError) as exc:
         raise Busy(str(exc)) from None
 
 
-def _usage(p: Plan, started: float, *, status: str = UsageStatus.OK, error: ApiError | None = None,
-           final: RequestOutput | None = None, input_tokens: int = 0, request_id: str = "") -> UsageRecord:
-    usage = final.usage if final is not None else None
-    spec = (final.speculation if final is not None else None) or {}
-    first = final.metrics.first_token_time if final is not None else None
-    return UsageRecord(
-        account_id=p.batch.account_id, key_id=p.batch.api_key_id, model=p.entry.name, adapter=p.adapter,
-        route=p.route,
-        status=status, http_status=error.status if error else 200, error_code=error.wire_code if error else "",
-        request_id=request_id or p.item.request_id, source=Source.BATCH,
-        input_tokens=usage.prompt_tokens if usage else input_tokens,
-        cached_input_tokens=usage.cached_tokens if usage else 0,
-        output_tokens=usage.completion_tokens if usage else 0,
-        spec_proposed=spec.get("proposed", 0), spec_accepted=spec.get("accepted", 0),
-        latency_ms=(time.monotonic() - started) * 1000,
-        ttft_ms=(first - started) * 1000 if first else None, created_at=timezone.now())
+def _usage(p: Plan, started: float, *, run: Run | None = None, status: str = UsageStatus.OK,
+           error: ApiError | None = None, input_tokens: int = 0) -> UsageRecord:
+    return pipeline.job_usage(
+        p.job, run, account_id=p.batch.account_id, key_id=p.batch.api_key_id, source=Source.BATCH,
+        status=status, error=error, started=started,
+        first_token_at=run.first_token_time() if run is not None else None, created_at=timezone.now(),
+        request_id=run.request_id if run is not None else p.item.request_id, input_tokens=input_tokens)
 
 
-def _failed(p: Plan, started: float, error: ApiError, final: RequestOutput | None = None) -> Outcome:
+def _failed(p: Plan, started: float, error: ApiError, run: Run | None = None) -> Outcome:
     """An engine refusal after the request was accepted: recorded, never billable (as interactively)."""
     return Outcome(Item.Status.FAILED, error=error_json(error),
-                   usage=_usage(p, started, status=UsageStatus.ERROR, error=error, final=final))
+                   usage=_usage(p, started, run=run, status=UsageStatus.ERROR, error=error))
 
 
 async def _embed(p: Plan, started: float) -> Outcome:
-    body = p.body
-    texts = body.text if p.kind == "native" else body.input
-    texts = [texts] if isinstance(texts, str) else list(texts)
     try:
-        result = await get_backend().embed(p.entry.name, texts)
+        result = await get_backend().embed(p.job.model, list(p.job.texts))
     except (EngineOverloadedError, EngineDeadError):
         raise
     except EngineError as exc:
-        return _failed(p, started, errors.from_engine(exc, p.entry.name))
-    if p.kind == "native":
-        response = {"shape": [len(result.vectors), result.dim], "data": result.vectors, "pooling": "mean"}
-    else:
-        response = embedding_payload(p.entry.name, result, body.encoding_format)
+        return _failed(p, started, errors.from_engine(exc, p.job.model))
+    response = (NATIVE.embedding_result(result) if p.endpoint is NATIVE
+                else p.endpoint.render_embeddings(p.job, result))
     return Outcome(Item.Status.SUCCEEDED, response=response,
                    usage=_usage(p, started, input_tokens=result.prompt_tokens))
 
 
 async def _generate(p: Plan, started: float) -> Outcome:
-    body = p.body
-    backend = get_backend()
-    model = p.entry.name
-    prompt, messages, raw = None, None, False
-    if p.kind == "chat":
-        messages = [m.model_dump() for m in body.messages]
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        default_max = None
-    elif p.kind == "completions":
-        prompt, raw = (body.prompt if isinstance(body.prompt, str) else body.prompt[0]), True
-        max_tokens, default_max = body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
-    else:
-        prompt, raw = body.prompt, body.raw
-        messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-        max_tokens, default_max = body.max_tokens, DEFAULT_MAX_TOKENS
+    run = Run(p.job, Priority.BATCH, "breq")
     try:
-        params = sampling(body, p.kind)
-    except ApiError as exc:  # checked at submission; only a changed engine could refuse it now
-        return Outcome(Item.Status.FAILED, error=error_json(exc))
-    request_id = f"breq-{uuid.uuid4().hex}"
-    try:
-        ids = await backend.encode(model, prompt=prompt, messages=messages, raw=raw)
-        params.max_tokens = pipeline.output_budget(p.entry, len(ids), max_tokens, default_max)
-        request = GenerationRequest(
-            prompt_token_ids=ids, params=params, request_id=request_id, priority=Priority.BATCH, lora=p.lora,
-            speculation=pipeline.resolve_speculation(p.entry, getattr(body, "speculation", None)),
-            kv_compression=pipeline.resolve_kv_compression(getattr(body, "kv_compression", None), p.entry))
-        if params.logprobs is None:
-            final = await backend.generate(model, request)
-        else:
-            final = await pipeline.collect_logprobs(backend, model, request)
+        await run.prepare()
+        finals = await run.collect()
     except ApiError as exc:
         return _failed(p, started, exc)
     except (EngineOverloadedError, EngineDeadError):
         raise
     except EngineError as exc:
-        return _failed(p, started, errors.from_engine(exc, model))
-    if final.finish_reason == FinishReason.ERROR:
-        return _failed(p, started, errors.internal(f"The engine failed this request: {final.error or 'unknown'}"),
-                       final)
-    created = int(time.time())
-    if p.kind == "chat":
-        response = chat_payload(f"chatcmpl-{request_id}", created, model, final)
-    elif p.kind == "completions":
-        response = completion_payload(f"cmpl-{request_id}", created, model, final)
+        return _failed(p, started, errors.from_engine(exc, p.job.model))
+    failed = failed_output(run)
+    if failed is not None:
+        return _failed(p, started, errors.internal(f"The engine failed this request: {failed.error or 'unknown'}"),
+                       run)
+    if p.endpoint is NATIVE:
+        response = NATIVE.result(p.job, run, finals)
     else:
-        response = {"response": final.text, "usage": native_usage_json(final.usage)}
-    return Outcome(Item.Status.SUCCEEDED, response=response, usage=_usage(p, started, final=final,
-                                                                          request_id=request_id))
+        response = p.endpoint.render(p.job, run, finals, int(time.time()))
+    return Outcome(Item.Status.SUCCEEDED, response=response, usage=_usage(p, started, run=run))

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from controlplane.serving.schemas import StrictBody
+from controlplane.api.body import StrictBody
 
 
 class BatchCreate(StrictBody):

@@ -27,6 +27,7 @@ from controlplane.batches import events
 from controlplane.batches.models import Batch, File, Item
 from controlplane.batches.validation import ItemError, check_line
 from controlplane.catalog.services import get_model
+from controlplane.serving.protocol import OPENAI_BATCH_PATHS
 from controlplane.usage.services import UsageRecord, record
 
 log = logging.getLogger("controlplane.batches")
@@ -118,10 +119,8 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
 def create_openai_batch(ctx: KeyContext, *, input_file_id: str, endpoint: str, completion_window: str,
                         metadata: Any = None) -> Batch:
     """A batch in `validating`; the prepare task reads the file into items."""
-    from controlplane.serving.views_openai import BATCH_ENDPOINTS
-
-    if endpoint not in BATCH_ENDPOINTS:
-        raise errors.invalid(f"endpoint: one of {', '.join(BATCH_ENDPOINTS)}", "endpoint")
+    if endpoint not in OPENAI_BATCH_PATHS:
+        raise errors.invalid(f"endpoint: one of {', '.join(OPENAI_BATCH_PATHS)}", "endpoint")
     hours = _window_hours(completion_window)
     metadata = _check_metadata(metadata)
     source = File.objects.filter(account_id=ctx.account_id, pk=input_file_id).defer("content").first()

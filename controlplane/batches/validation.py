@@ -4,24 +4,14 @@ accepted in a batch exactly when it would be accepted on its own (streaming asid
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.catalog.services import ModelEntry, get_model
 from controlplane.serving import pipeline
-from inference import LoRARequest
-
-
-@dataclass(frozen=True, slots=True)
-class Checked:
-    """One batch request as its route would accept it: the model, the parsed body and its LoRA adapter."""
-
-    entry: ModelEntry
-    body: Any
-    adapter: str = ""  # the adapter's name ("" for the base model), recorded with the usage
-    lora: LoRARequest | None = None
+from controlplane.serving.job import Job
+from controlplane.serving.protocol import ENDPOINTS, NATIVE
 
 
 class ItemError(Exception):
@@ -42,56 +32,25 @@ def check_entry(entry: ModelEntry, task: str, allowed_models: tuple[str, ...]) -
         raise errors.invalid(f"{entry.name} does not accept batch requests", "model")
 
 
-def sampling(parsed: Any, kind: str) -> Any:
-    """The engine's SamplingParams for a text-generation body, as its route builds them (range errors: 400)."""
-    if kind == "chat":
-        logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
-        max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
-        return pipeline.sampling_params(parsed.model_copy(update={"max_tokens": max_tokens}), logprobs=logprobs)
-    if kind == "completions":
-        return pipeline.sampling_params(parsed, logprobs=parsed.logprobs)
-    from controlplane.serving.views_native import DEFAULT_TEMPERATURE
-
-    return pipeline.sampling_params(parsed, temperature=DEFAULT_TEMPERATURE)
-
-
-def _common(entry: ModelEntry, parsed: Any, kind: str, account_id: str,
-            model_adapter: str | None = None) -> Checked:
-    if getattr(parsed, "stream", False):
-        raise errors.invalid("stream: batch requests cannot stream; their results are stored", "stream")
-    if not entry.is_embedding:
-        sampling(parsed, kind)
-    named = getattr(parsed, "lora", None)
-    if model_adapter and named and named != model_adapter:
-        raise errors.invalid(f"model names the adapter {model_adapter!r} but lora names {named!r}", "lora")
-    adapter, lora = pipeline.resolve_adapter(account_id, entry, named or model_adapter)
-    pipeline.resolve_speculation(entry, getattr(parsed, "speculation", None))
-    pipeline.resolve_kv_compression(getattr(parsed, "kv_compression", None))
-    return Checked(entry, parsed, adapter, lora)
-
-
 def check_openai_body(endpoint: str, body: dict[str, Any], allowed_models: tuple[str, ...],
-                      account_id: str) -> Checked:
+                      account_id: str) -> Job:
     """The body of one OpenAI batch line, as its endpoint would check it (`model` may be `<base>:<adapter>`)."""
-    from controlplane.serving.views_openai import BATCH_ENDPOINTS
-
-    parser, task, _route, kind = BATCH_ENDPOINTS[endpoint]
+    handler = ENDPOINTS[endpoint]
     name, model_adapter = pipeline.split_model_adapter(body.get("model") if isinstance(body.get("model"), str)
                                                        else None)
     entry = get_model(name) if name else None
     if entry is None or not entry.installed:
-        parser(body, None, None)  # a malformed body is reported as such first
+        handler.shape(body)  # a malformed body is reported as such first
         raise errors.unknown_model(str(body.get("model")))
-    parsed = parser(body, None, entry)
-    check_entry(entry, task, allowed_models)
-    return _common(entry, parsed, kind, account_id, model_adapter)
+    handler.shape(body)
+    assert handler.task is not None
+    check_entry(entry, handler.task, allowed_models)
+    return pipeline.resolve(handler.job(body, entry, batch=True), account_id, model_adapter)
 
 
-def check_native_body(entry: ModelEntry, body: dict[str, Any], account_id: str) -> Checked:
+def check_native_body(entry: ModelEntry, body: dict[str, Any], account_id: str) -> Job:
     """One request of a Workers AI queueRequest, checked as the run route checks a body for this model."""
-    from controlplane.serving.views_native import _native_body
-
-    return _common(entry, _native_body(body, None, entry), "native", account_id)
+    return pipeline.resolve(NATIVE.job(body, entry, batch=True), account_id)
 
 
 def check_line(line: str, number: int, endpoint: str, allowed_models: tuple[str, ...],

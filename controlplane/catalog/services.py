@@ -131,6 +131,19 @@ class ModelEntry:
         return self.task == Task.TEXT_EMBEDDINGS
 
     @property
+    def supports_json_mode(self) -> bool:
+        """Structured outputs: any text-generation model can be held to a grammar, unless the operator
+        says otherwise (property json_mode: false)."""
+        return self.task == Task.TEXT_GENERATION and bool(dict(self.properties).get("json_mode", True))
+
+    @property
+    def supports_tools(self) -> bool:
+        """Tool calling needs chat messages (tools are rendered into the chat template, or into a system turn
+        where the template has no tools); the operator may switch it off (property function_calling)."""
+        return (self.task == Task.TEXT_GENERATION and self.has_chat_template
+                and bool(dict(self.properties).get("function_calling", True)))
+
+    @property
     def deprecated(self) -> bool:
         return self.deprecated_on is not None and self.deprecated_on <= timezone.now().date()
 
@@ -170,6 +183,8 @@ class ModelEntry:
             "context_window": self.context_window,
             "supports_lora": self.supports_lora,
             "supports_batch": self.supports_batch,
+            "supports_tools": self.supports_tools,
+            "supports_json_mode": self.supports_json_mode,
             "deprecated_on": self.deprecated_on.isoformat() if self.deprecated_on else None,
             "properties": dict(self.properties),
             "speculation": self.speculation if self.task == Task.TEXT_GENERATION else None,

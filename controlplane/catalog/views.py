@@ -67,6 +67,8 @@ def _workers_ai_shape(item: dict[str, Any]) -> dict[str, Any]:
     ] if pricing else []
     properties = [{"property_id": "context_window", "value": str(item["context_window"])},
                   {"property_id": "lora", "value": str(item["supports_lora"]).lower()},
+                  {"property_id": "function_calling", "value": str(item["supports_tools"]).lower()},
+                  {"property_id": "json_mode", "value": str(item["supports_json_mode"]).lower()},
                   {"property_id": "price", "value": price}]
     spec = item["speculation"]
     if spec is not None:
@@ -74,7 +76,8 @@ def _workers_ai_shape(item: dict[str, Any]) -> dict[str, Any]:
                        {"property_id": "num_speculative_tokens", "value": str(spec["k"])}]
         if spec["draft_model"]:
             properties.append({"property_id": "draft_model", "value": spec["draft_model"]})
-    properties += [{"property_id": k, "value": str(v)} for k, v in item["properties"].items()]
+    properties += [{"property_id": k, "value": str(v)} for k, v in item["properties"].items()
+                   if k not in ("function_calling", "json_mode")]  # said above, as the catalog decides them
     return {
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, item["id"])),
         "name": item["id"],

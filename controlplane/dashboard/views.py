@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods
@@ -20,16 +20,9 @@ from controlplane.accounts.services import (
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.dashboard import stats
+from controlplane.dashboard.access import account_or_404
 
 MAX_EXPIRY_DAYS = 36_500
-
-
-def account_or_404(request: HttpRequest, account_id: str) -> tuple[Account, list[Account]]:
-    """The account being looked at, if the user may see it (else 404: its existence is not the user's business),
-    and the accounts the switcher offers."""
-    if not user_can_access(request.user, account_id):
-        raise Http404("No such account")
-    return Account.objects.get(pk=account_id), accounts_for_user(request.user)
 
 
 @login_required

@@ -31,7 +31,7 @@ from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import json_response
 from controlplane.catalog.services import ModelEntry, catalog
-from controlplane.dashboard.views import account_or_404
+from controlplane.dashboard.access import account_or_404
 from controlplane.serving.playground import error_response
 from inference.lora.format import CONFIG_FILE, WEIGHTS_FILE
 from inference.models.catalog import DEFAULT_MODEL

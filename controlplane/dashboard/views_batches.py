@@ -23,7 +23,7 @@ from controlplane.api.errors import ApiError
 from controlplane.api.http import dumps, envelope
 from controlplane.batches import results, services
 from controlplane.batches.models import Batch
-from controlplane.dashboard.views import account_or_404
+from controlplane.dashboard.access import account_or_404
 
 PAGE_SIZE = 25
 Status = Batch.Status

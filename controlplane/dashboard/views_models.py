@@ -30,7 +30,7 @@ from controlplane.catalog.services import (
     change_price,
     set_engine_defaults,
 )
-from controlplane.dashboard.views import account_or_404
+from controlplane.dashboard.access import account_or_404
 from controlplane.serving import playground
 from inference.models.catalog import DEFAULT_MODEL
 from inference.spec.settings import MAX_SPECULATIVE_TOKENS, SpecMode

@@ -26,7 +26,7 @@ from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.catalog import services as catalog_services
 from controlplane.dashboard import usage_log
-from controlplane.dashboard.views import account_or_404
+from controlplane.dashboard.access import account_or_404
 from controlplane.usage import reports
 from controlplane.usage.models import Source, Status
 

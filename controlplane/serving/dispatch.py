@@ -19,6 +19,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from inference import AsyncEngine, EngineConfig, GenerationRequest, ModelInfo, RequestOutput
+from inference.constrained import Constraint
 from inference.engine import EngineMetrics
 from inference.models.bert import Embedder
 
@@ -40,7 +41,11 @@ class Backend(Protocol):
     async def model_info(self, model: str) -> ModelInfo: ...
 
     async def encode(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None,
-                     raw: bool = False) -> list[int]: ...
+                     raw: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+
+    async def prepare_constraint(self, model: str, constraint: Constraint) -> None:
+        """Compile the grammar where the model runs (cached by content); InvalidRequestError names what is
+        wrong with it."""
 
     def stream(self, model: str, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
 
@@ -129,9 +134,12 @@ class InProcessBackend:
         return (await self.engine(model)).info
 
     async def encode(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None,
-                     raw: bool = False) -> list[int]:
+                     raw: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         engine = await self.engine(model)
-        return engine.encode(prompt=prompt, messages=messages, raw=raw)
+        return engine.encode(prompt=prompt, messages=messages, raw=raw, tools=tools)
+
+    async def prepare_constraint(self, model: str, constraint: Constraint) -> None:
+        await (await self.engine(model)).compile_constraint(constraint)
 
     async def stream(self, model: str, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         engine = await self.engine(model)

@@ -35,11 +35,13 @@ from controlplane.api.metrics import (
 )
 from controlplane.catalog.models import Task
 from controlplane.catalog.services import ModelEntry, PriceSnapshot, get_model
-from controlplane.serving.dispatch import Backend, EmbeddingResult, get_backend
+from controlplane.serving.dispatch import EmbeddingResult, get_backend
+from controlplane.serving.generation import Choice, Run, failed_output
+from controlplane.serving.job import Job
 from controlplane.usage import limits
 from controlplane.usage.models import Source, Status
 from controlplane.usage.services import UsageRecord, check_account_limits, record
-from inference import FinishReason, GenerationRequest, LoRARequest, Priority, RequestOutput, SamplingParams
+from inference import LoRARequest, Priority, RequestOutput
 from inference.compression import KVCompressionSettings
 from inference.errors import EngineError, InvalidRequestError
 from inference.spec.settings import SpecMode, SpeculationSettings
@@ -51,17 +53,18 @@ class Admission:
     entry: ModelEntry
     price: PriceSnapshot | None
     arrived_at: datetime
-    adapter: str  # the adapter's name, recorded with the usage; "" for the base model
-    body: Any
-    lora: LoRARequest | None = None  # what the engine serves the adapter from
-    speculation: SpeculationSettings | None = None  # None: the engine's start-up default
-    kv_compression: KVCompressionSettings | None = None  # None: the engine's start-up default
+    body: Any  # what the route parsed: a Job for inference routes
     session: bool = False  # a signed-in user's request (the dashboard's playground), not an API key's
 
     @property
     def key_id(self) -> str | None:
         """The API key the usage is metered to; None for a session's request."""
         return None if self.session else self.ctx.key_id
+
+    @property
+    def job(self) -> Job:
+        assert isinstance(self.body, Job)
+        return self.body
 
 
 def resolve_adapter(account_id: str, entry: ModelEntry, lora: str | None) -> tuple[str, LoRARequest | None]:
@@ -139,13 +142,25 @@ def resolve_kv_compression(value: Any, entry: ModelEntry | None = None) -> KVCom
         raise errors.invalid(str(exc), "kv_compression") from None
 
 
+def resolve(job: Job, account_id: str, model_adapter: str | None = None) -> Job:
+    """Resolve what a job names against the catalog and the account: its LoRA adapter (`lora`, or the one
+    `model: "<base>:<adapter>"` names), speculation and KV compression (the model's defaults when absent)."""
+    named = getattr(job.body, "lora", None)
+    if model_adapter and named and named != model_adapter:
+        raise errors.invalid(f"model names the adapter {model_adapter!r} but lora names {named!r}", "lora")
+    job.adapter, job.lora = resolve_adapter(account_id, job.entry, named or model_adapter)
+    job.speculation = resolve_speculation(job.entry, getattr(job.body, "speculation", None))
+    job.kv_compression = resolve_kv_compression(getattr(job.body, "kv_compression", None), job.entry)
+    return job
+
+
 def admit(auth_header: str | None, *, account_id: str | None, model: str | None,
-          body: Callable[[ModelEntry | None], Any], task: str | None = None,
-          lora: Callable[[Any], str | None] = lambda body: getattr(body, "lora", None)) -> Admission:
+          body: Callable[[ModelEntry | None], Any], task: str | None = None) -> Admission:
     """Authenticate and authorise, validate the body (now that the model is known), then enforce limits.
 
-    `body(entry)` parses the request body, raising ApiError when it is invalid; it is called after
-    authentication so an anonymous caller learns nothing about the API beyond 401.
+    `body(entry)` parses the request body (a Job for inference routes, which is then resolved), raising
+    ApiError when it is invalid; it is called after authentication so an anonymous caller learns nothing about
+    the API beyond 401.
     """
     ctx = authenticate_key(parse_bearer(auth_header))
     require_account(ctx, account_id)
@@ -161,18 +176,12 @@ def admit(auth_header: str | None, *, account_id: str | None, model: str | None,
         raise errors.forbidden(f"This API key may not use {entry.name}")
     if task is not None and entry.task != task:
         raise errors.invalid(f"{entry.name} is a {entry.task} model and cannot serve this route", "model")
-    named = lora(parsed)
-    if model_adapter and named and named != model_adapter:
-        raise errors.invalid(f"model names the adapter {model_adapter!r} but lora names {named!r}", "lora")
-    adapter, lora_request = resolve_adapter(ctx.account_id, entry, named or model_adapter)
-    speculation = resolve_speculation(entry, getattr(parsed, "speculation", None))
-    kv_compression = resolve_kv_compression(getattr(parsed, "kv_compression", None), entry)
+    if isinstance(parsed, Job):
+        resolve(parsed, ctx.account_id, model_adapter)
     now = timezone.now()
     check_account_limits(ctx, now)
     limits.check_rate(ctx, now.timestamp())
-    return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now,
-                     adapter=adapter, lora=lora_request, body=parsed, speculation=speculation,
-                     kv_compression=kv_compression)
+    return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now, body=parsed)
 
 
 def session_context(account: Account, user_id: int) -> KeyContext:
@@ -187,7 +196,7 @@ def session_context(account: Account, user_id: int) -> KeyContext:
         monthly_budget_usd=account.monthly_budget_usd)
 
 
-def admit_for_account(account_id: str, user_id: int, *, model: str, body: Callable[[ModelEntry], Any],
+def admit_for_account(account_id: str, user_id: int, *, model: str, body: Callable[[ModelEntry], Job],
                       task: str | None = Task.TEXT_GENERATION) -> Admission:
     """admit() for a signed-in user instead of an API key (the caller has checked the user may act for the
     account): the same model, body and default checks, the account's free allocation and budget, and per-user
@@ -203,14 +212,12 @@ def admit_for_account(account_id: str, user_id: int, *, model: str, body: Callab
         raise errors.unknown_model(model)
     if task is not None and entry.task != task:
         raise errors.invalid(f"{entry.name} is a {entry.task} model and cannot serve this route", "model")
-    parsed = body(entry)
-    speculation = resolve_speculation(entry, getattr(parsed, "speculation", None))
-    kv_compression = resolve_kv_compression(getattr(parsed, "kv_compression", None), entry)
+    job = resolve(body(entry), account_id)
     now = timezone.now()
     check_account_limits(ctx, now)
     limits.check_rate(ctx, now.timestamp())
-    return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now, adapter="",
-                     body=parsed, speculation=speculation, kv_compression=kv_compression, session=True)
+    return Admission(ctx=ctx, entry=entry, price=entry.price_at(now.timestamp()), arrived_at=now, body=job,
+                     session=True)
 
 
 def commit_usage(adm: Admission, rec: UsageRecord) -> None:
@@ -241,186 +248,128 @@ async def write_usage(adm: Admission, rec: UsageRecord) -> None:
     await asyncio.shield(sync_to_async(commit_usage)(adm, rec))
 
 
-def sampling_params(body: Any, *, temperature: float | None = None, logprobs: int | None = None) -> SamplingParams:
-    """The engine's SamplingParams from a parsed body; its range checks become 400s. max_tokens is set later,
-    once the prompt length is known."""
-    kwargs: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty"):
-        value = getattr(body, name, None)
-        if value is not None:
-            kwargs[name] = value
-    if "temperature" not in kwargs and temperature is not None:
-        kwargs["temperature"] = temperature
-    stop = getattr(body, "stop", None)
-    if stop:
-        kwargs["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if logprobs is not None:
-        kwargs["logprobs"] = logprobs
-    max_tokens = getattr(body, "max_tokens", None)
-    try:
-        return SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1, **kwargs)
-    except InvalidRequestError as exc:
-        raise errors.invalid(str(exc)) from None
-
-
-def output_budget(entry: ModelEntry, prompt_tokens: int, max_tokens: int | None,
-                  default_max_tokens: int | None) -> int:
-    """max_tokens for a prompt of this length: an explicit value is clamped to what the context leaves; a
-    prompt that leaves no room is refused (413 / 3006 natively, context_length_exceeded on /v1)."""
-    window = entry.context_window
-    room = window - prompt_tokens
-    if room < 1:
-        raise errors.prompt_too_long(
-            f"The prompt is {prompt_tokens:,} tokens; {entry.name} has a context window of {window:,} tokens "
-            "(prompt and output together)")
-    wanted = max_tokens if max_tokens is not None else default_max_tokens
-    return min(wanted, room) if wanted is not None else room
-
-
-async def collect_logprobs(backend: Backend, model: str, request: GenerationRequest) -> RequestOutput:
-    """Each output carries the logprobs of its delta tokens only; a whole answer needs all of them."""
-    collected = []
-    final = None
-    async for out in backend.stream(model, request):
-        collected.extend(out.logprobs or ())
-        final = out
-    assert final is not None
-    final.logprobs = collected
-    return final
-
-
 @dataclass(slots=True)
 class Generation:
-    """One text-generation request on the backend, from prompt to metered usage."""
+    """One admitted text-generation job on the backend, metered: from prompt to usage."""
 
     adm: Admission
-    route: str
     stream: bool
     session_affinity: str
     started: float  # time.monotonic() at arrival (the engine's clock too)
-    backend: Backend = field(default_factory=get_backend)
-    request: GenerationRequest | None = None
-    final: RequestOutput | None = None
+    run: Run = field(init=False)
     first_token_at: float | None = None
-    _iter: AsyncIterator[RequestOutput] | None = None
+    _iter: AsyncIterator[tuple[Choice, RequestOutput]] | None = None
+    _first: tuple[Choice, RequestOutput] | None = None
+
+    def __post_init__(self) -> None:
+        self.run = Run(self.adm.job, Priority.INTERACTIVE)
 
     @property
-    def model(self) -> str:
-        return self.adm.entry.name
+    def job(self) -> Job:
+        return self.adm.job
 
-    async def prepare(self, params: SamplingParams, *, max_tokens: int | None, default_max_tokens: int | None,
-                      prompt: str | None = None, messages: list[Any] | None = None, raw: bool = False) -> None:
-        """Tokenise and size the request: an explicit max_tokens is clamped to what the context leaves; a
-        prompt that leaves no room is refused (413 / 3006 natively, context_length_exceeded on /v1)."""
-        ids = await self._engine_call(self.backend.encode(self.model, prompt=prompt, messages=messages, raw=raw))
+    @property
+    def request_id(self) -> str:
+        return self.run.request_id
+
+    async def prepare(self) -> None:
+        """Compile the grammar, tokenise and size every prompt; refusals are recorded and raised."""
         try:
-            params.max_tokens = output_budget(self.adm.entry, len(ids), max_tokens, default_max_tokens)
+            await self.run.prepare()
+        except EngineError as exc:
+            await self.fail(errors.from_engine(exc, self.job.model))
         except ApiError as exc:
             await self.fail(exc)
-        self.request = GenerationRequest(
-            prompt_token_ids=ids, params=params, request_id=f"req-{uuid.uuid4().hex}",
-            priority=Priority.INTERACTIVE, lora=self.adm.lora,
-            speculation=self.adm.speculation, kv_compression=self.adm.kv_compression)
-
-    async def _engine_call(self, awaitable: Any) -> Any:
-        try:
-            return await awaitable
-        except EngineError as exc:
-            await self.fail(errors.from_engine(exc, self.model))
 
     async def fail(self, error: ApiError) -> None:
         """Record the failed request (nothing billable) and raise the error for the route to render."""
         await write_usage(self.adm, self._record(Status.ERROR, error))
         raise error
 
-    async def run(self) -> RequestOutput:
-        assert self.request is not None
-        if self.request.params.logprobs is None:
-            final = await self._engine_call(self.backend.generate(self.model, self.request))
-        else:
-            final = await self._engine_call(collect_logprobs(self.backend, self.model, self.request))
-        self._check_final(final)
-        self.first_token_at = final.metrics.first_token_time
-        self.final = final
-        return final
-
-    def _check_final(self, out: RequestOutput) -> None:
-        if out.finish_reason == FinishReason.ERROR:
-            raise errors.internal(f"The engine failed this request: {out.error or 'unknown error'}")
+    async def collect(self) -> list[RequestOutput]:
+        """Every choice's final output (a non-streaming answer)."""
+        try:
+            finals = await self.run.collect()
+        except EngineError as exc:
+            await self.fail(errors.from_engine(exc, self.job.model))
+        failed = failed_output(self.run)
+        if failed is not None:
+            raise errors.internal(f"The engine failed this request: {failed.error or 'unknown error'}")
+        self.first_token_at = self.run.first_token_time()
+        return finals
 
     async def open_stream(self) -> None:
         """Start the stream and wait for its first output, so engine refusals still get a proper status code
         (once the first byte of a 200 is sent, they could not)."""
-        assert self.request is not None
-        self._iter = aiter(self.backend.stream(self.model, self.request))
-        first = await self._engine_call(anext(self._iter))
-        self.final = first
-
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Every output of an opened stream; metering happens when the stream ends or the client leaves."""
-        assert self._iter is not None and self.final is not None
-        out = self.final
+        self._iter = aiter(self.run.outputs())
         try:
-            while True:
-                if self.first_token_at is None and out.delta_token_ids:
+            self._first = await anext(self._iter)
+        except EngineError as exc:
+            await self.fail(errors.from_engine(exc, self.job.model))
+
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every output of an opened stream; metering happens when the stream ends or the client leaves."""
+        assert self._iter is not None and self._first is not None
+        item: tuple[Choice, RequestOutput] | None = self._first
+        try:
+            while item is not None:
+                if self.first_token_at is None and item[1].delta_token_ids:
                     self.first_token_at = time.monotonic()
-                self.final = out
-                yield out
-                if out.finished:
-                    return
-                out = await anext(self._iter)
+                yield item
+                item = await anext(self._iter, None)
         finally:
             with suppress(Exception):
                 await self._iter.aclose()  # type: ignore[attr-defined]
             await write_usage(self.adm, self.usage_record())
 
     def usage_record(self) -> UsageRecord:
-        final = self.final
-        if final is not None and final.finish_reason == FinishReason.ERROR:
+        if failed_output(self.run) is not None:
             return self._record(Status.ERROR, errors.internal())
-        status = Status.OK if final is not None and final.finished else Status.ABORTED
-        return self._record(status, None)
+        done = bool(self.run.choices) and all(c.final is not None and c.final.finished for c in self.run.choices)
+        return self._record(Status.OK if done else Status.ABORTED, None)
 
     def _record(self, status: str, error: ApiError | None) -> UsageRecord:
-        usage = self.final.usage if self.final is not None else None
-        spec = (self.final.speculation if self.final is not None else None) or {}
-        now = time.monotonic()
-        return UsageRecord(
-            account_id=self.adm.ctx.account_id, key_id=self.adm.key_id, model=self.model, route=self.route,
-            status=status, http_status=error.status if error else 200,
-            error_code=error.wire_code if error else "", adapter=self.adm.adapter,
-            request_id=self.request.request_id if self.request else "", source=Source.INTERACTIVE,
-            stream=self.stream, input_tokens=usage.prompt_tokens if usage else 0,
-            cached_input_tokens=usage.cached_tokens if usage else 0,
-            output_tokens=usage.completion_tokens if usage else 0,
-            spec_proposed=spec.get("proposed", 0), spec_accepted=spec.get("accepted", 0),
-            latency_ms=(now - self.started) * 1000,
-            ttft_ms=(self.first_token_at - self.started) * 1000 if self.first_token_at else None,
-            session_affinity=self.session_affinity, created_at=self.adm.arrived_at)
+        return job_usage(self.job, self.run, account_id=self.adm.ctx.account_id, key_id=self.adm.key_id,
+                         source=Source.INTERACTIVE, status=status, error=error, stream=self.stream,
+                         started=self.started, first_token_at=self.first_token_at,
+                         session_affinity=self.session_affinity, created_at=self.adm.arrived_at)
 
 
-async def embed(adm: Admission, texts: list[str], *, route: str, session_affinity: str,
+def job_usage(job: Job, run: Run | None, *, account_id: str, key_id: str | None, source: str, status: str,
+              error: ApiError | None, started: float, first_token_at: float | None, created_at: datetime,
+              stream: bool = False, session_affinity: str = "", request_id: str = "",
+              input_tokens: int = 0) -> UsageRecord:
+    """The usage record of a job, interactive or batch: the one place a job becomes metering."""
+    usage = run.usage() if run is not None else None
+    spec = run.speculation() if run is not None else {}
+    return UsageRecord(
+        account_id=account_id, key_id=key_id, model=job.model, route=job.route, status=status,
+        http_status=error.status if error else 200, error_code=error.wire_code if error else "",
+        adapter=job.adapter, request_id=request_id or (run.request_id if run is not None else ""),
+        source=source, stream=stream, input_tokens=usage.prompt_tokens if usage else input_tokens,
+        cached_input_tokens=usage.cached_tokens if usage else 0,
+        output_tokens=usage.completion_tokens if usage else 0,
+        spec_proposed=spec.get("proposed", 0), spec_accepted=spec.get("accepted", 0),
+        latency_ms=(time.monotonic() - started) * 1000,
+        ttft_ms=(first_token_at - started) * 1000 if first_token_at else None,
+        session_affinity=session_affinity, created_at=created_at)
+
+
+async def embed(adm: Admission, *, session_affinity: str,
                 started: float) -> tuple[EmbeddingResult, Callable[[], None]]:
-    """Run an embedding request; returns the result and the metering callback to run once it is sent."""
-    if not texts:
-        raise errors.invalid("Give at least one text to embed", "input")
-    if any(not isinstance(t, str) or not t.strip() for t in texts):
-        raise errors.invalid("Every text to embed must be a non-empty string", "input")
-    backend = get_backend()
+    """Run an embedding job; returns the result and the metering callback to run once it is sent."""
+    job = adm.job
 
     def rec(status: str, error: ApiError | None, tokens: int) -> UsageRecord:
-        return UsageRecord(
-            account_id=adm.ctx.account_id, key_id=adm.key_id, model=adm.entry.name, route=route,
-            status=status, http_status=error.status if error else 200,
-            error_code=error.wire_code if error else "", request_id=f"req-{uuid.uuid4().hex}",
-            input_tokens=tokens, latency_ms=(time.monotonic() - started) * 1000,
-            session_affinity=session_affinity, created_at=adm.arrived_at)
+        return job_usage(job, None, account_id=adm.ctx.account_id, key_id=adm.key_id, source=Source.INTERACTIVE,
+                         status=status, error=error, started=started, first_token_at=None,
+                         created_at=adm.arrived_at, session_affinity=session_affinity,
+                         request_id=f"req-{uuid.uuid4().hex}", input_tokens=tokens)
 
     try:
-        result = await backend.embed(adm.entry.name, texts)
+        result = await get_backend().embed(job.model, list(job.texts))
     except EngineError as exc:
-        error = errors.from_engine(exc, adm.entry.name)
+        error = errors.from_engine(exc, job.model)
         await write_usage(adm, rec(Status.ERROR, error, 0))
         raise error from None
     done = rec(Status.OK, None, result.prompt_tokens)

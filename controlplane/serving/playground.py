@@ -28,12 +28,14 @@ from pydantic import Field
 
 from controlplane.accounts.services import user_can_access
 from controlplane.api import errors
+from controlplane.api.body import StrictBody, parse
 from controlplane.api.errors import ApiError
 from controlplane.api.http import read_json, sse
 from controlplane.catalog.services import ModelEntry, PriceSnapshot
 from controlplane.serving import pipeline
-from controlplane.serving.schemas import StrictBody, parse
-from controlplane.serving.views_native import DEFAULT_TEMPERATURE, event_stream
+from controlplane.serving.job import Job, Prompt, sampling_params
+from controlplane.serving.protocol.base import event_stream
+from controlplane.serving.protocol.native import DEFAULT_TEMPERATURE
 from controlplane.usage.services import charge
 from inference import FinishReason, RequestOutput
 
@@ -65,13 +67,19 @@ def error_response(exc: ApiError) -> HttpResponse:
     return response
 
 
-def _prompt(entry: ModelEntry, body: PlaygroundRequest) -> dict[str, Any]:
+def _prompt(entry: ModelEntry, body: PlaygroundRequest) -> Prompt:
     """Chat-template models get chat messages; a plain model gets one prompt, the system text first."""
     system = body.system.strip()
     if entry.has_chat_template:
         messages = [{"role": "system", "content": system}] if system else []
-        return {"messages": [*messages, {"role": "user", "content": body.message}]}
-    return {"prompt": f"{system}\n\n{body.message}" if system else body.message, "raw": True}
+        return Prompt(messages=[*messages, {"role": "user", "content": body.message}])
+    return Prompt(text=f"{system}\n\n{body.message}" if system else body.message, raw=True)
+
+
+def _job(entry: ModelEntry, body: PlaygroundRequest) -> Job:
+    return Job(entry=entry, route=ROUTE, body=body, prompts=(_prompt(entry, body),),
+               params=sampling_params(body, temperature=DEFAULT_TEMPERATURE), max_tokens=body.max_tokens,
+               default_max_tokens=DEFAULT_MAX_TOKENS, stream=True)
 
 
 def _charge(price: PriceSnapshot | None, out: RequestOutput) -> tuple[Decimal, Decimal]:
@@ -96,18 +104,15 @@ def _summary(gen: pipeline.Generation, out: RequestOutput) -> dict[str, Any]:
 
 
 async def _stream(adm: pipeline.Admission, started: float) -> HttpResponse:
-    body: PlaygroundRequest = adm.body
-    params = pipeline.sampling_params(body, temperature=DEFAULT_TEMPERATURE)
-    gen = pipeline.Generation(adm=adm, route=ROUTE, stream=True, session_affinity="", started=started)
-    await gen.prepare(params, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
-                      **_prompt(adm.entry, body))
+    gen = pipeline.Generation(adm=adm, stream=True, session_affinity="", started=started)
+    await gen.prepare()
     await gen.open_stream()
-    request_id = gen.request.request_id  # type: ignore[union-attr]
+    request_id = gen.request_id
 
     async def events() -> AsyncIterator[bytes]:
         yield sse({"type": "start", "model": adm.entry.name, "request_id": request_id})
         async with aclosing(gen.outputs()) as outputs:
-            async for out in outputs:
+            async for _choice, out in outputs:
                 if out.delta_text:
                     yield sse({"type": "token", "text": out.delta_text})
                 if out.finished:
@@ -141,7 +146,7 @@ async def run(request: HttpRequest, account_id: str) -> HttpResponse:
         if not isinstance(model, str) or not model:
             raise errors.invalid("Choose a model", "model")
         adm = await sync_to_async(pipeline.admit_for_account)(account_id, user.pk, model=model,
-                                                              body=lambda entry: _parse(raw))
+                                                              body=lambda entry: _job(entry, _parse(raw)))
         return await _stream(adm, started)
     except ApiError as exc:
         return error_response(exc)

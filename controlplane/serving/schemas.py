@@ -3,7 +3,7 @@ OpenAPI document); value ranges are checked once, by the engine's SamplingParams
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -15,12 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from controlplane.api import errors
-
-
-class StrictBody(BaseModel):
-    # Strict: "5" is not an integer and 1 is not a boolean. Unknown fields are ignored so newer clients work.
-    model_config = ConfigDict(strict=True, extra="ignore")
+from controlplane.api.body import StrictBody
 
 
 class TextPart(StrictBody):
@@ -28,11 +23,89 @@ class TextPart(StrictBody):
     text: str
 
 
+class CalledFunction(StrictBody):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as the model produced them.")
+
+
+class ToolCall(StrictBody):
+    """A tool call an assistant message made earlier in the conversation (OpenAI's shape)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier tool calls.")
+    tool_call_id: str | None = Field(None, description="On a tool message: the call it answers.")
+
+
+class FunctionDefinition(StrictBody):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="The arguments' JSON schema (an object schema).")
+    strict: bool | None = None
+
+
+class FunctionTool(StrictBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FlatTool(StrictBody):
+    """Workers AI's own tool shape: the function's fields at the top level."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class NamedFunction(StrictBody):
+    name: str
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(StrictBody):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(StrictBody):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(StrictBody):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(StrictBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+                           Field(discriminator="type")]
+
+
+class NativeResponseFormat(StrictBody):
+    """Workers AI's JSON mode: `json_schema` is the schema itself."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class Speculation(StrictBody):
@@ -87,6 +160,12 @@ class NativeTextGeneration(_Sampling):
     prompt: str | None = None
     messages: list[Message] | None = None
     raw: bool = False
+    response_format: NativeResponseFormat | None = Field(
+        None, description="JSON mode: {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+        "<schema>}; result.response is then the JSON value itself.")
+    tools: list[FunctionTool | FlatTool] | None = Field(
+        None, description="Functions the model may call ({name, description, parameters}, or OpenAI's "
+        "{type: function, function: {...}}); calls come back in result.tool_calls.")
 
 
 class NativeEmbeddings(StrictBody):
@@ -102,7 +181,7 @@ class StreamOptions(StrictBody):
 
 class _OpenAISampling(_Sampling):
     model: str
-    n: int | None = Field(None, description="Only 1 is supported.")
+    n: int | None = Field(None, description="Choices to generate, 1 to 8; the prompt is computed once.")
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -112,14 +191,20 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs: true.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"} is supported.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Tool calling is not supported; send none.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema {name, schema, strict}: the output is constrained "
+        "to the schema by the grammar.")
+    tools: list[FunctionTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        None, description="auto (the default with tools), none, required, or {type: function, function: {name}}.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str]
+    prompt: str | list[str] = Field(description="One prompt, or a list of up to 16 (a choice each).")
     logprobs: int | None = Field(None, description="0 to 20 alternatives per token.")
-    echo: bool = False
+    echo: bool = Field(False, description="Put the prompt before each choice's text.")
+    response_format: ResponseFormat | None = Field(None, description="As on chat completions.")
     best_of: int | None = None
     suffix: str | None = None
 
@@ -130,26 +215,3 @@ class EmbeddingRequest(StrictBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-
-
-def _describe(exc: ValidationError) -> tuple[str, str | None]:
-    parts = []
-    first_param = None
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union")))
-        # Unions report one error per branch; the location names the branch type, which only confuses.
-        loc = ".".join(p for p in loc.split(".") if p not in {"str", "list[str]", "list[TextPart]", "int"})
-        first_param = first_param or loc or None
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    return "; ".join(dict.fromkeys(parts)), first_param
-
-
-T = TypeVar("T", bound=BaseModel)
-
-
-def parse(schema: type[T], body: dict[str, Any]) -> T:
-    try:
-        return schema.model_validate(body)
-    except ValidationError as exc:
-        message, param = _describe(exc)
-        raise errors.invalid(f"Invalid request body: {message}", param) from None

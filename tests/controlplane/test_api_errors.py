@@ -97,11 +97,15 @@ def test_out_of_range_values(client, tenant, body, fragment):
     ({"model": CHAT_MODEL}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ({"model": CHAT_MODEL, "messages": []}, "messages"),
-    ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),
     ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "tools"),
     ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}],
-      "response_format": {"type": "json_object"}}, "response_format"),
+      "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "tool_choice"),
     ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
 ])
@@ -112,7 +116,9 @@ def test_openai_chat_validation(client, tenant, body, param):
 
 
 def test_openai_completions_and_embeddings_validation(client, tenant):
-    for body in ({"model": CHAT_MODEL, "prompt": ["a", "b"]}, {"model": CHAT_MODEL, "prompt": "a", "echo": True},
+    for body in ({"model": CHAT_MODEL, "prompt": []}, {"model": CHAT_MODEL, "prompt": ["a"] * 17},
+                 {"model": CHAT_MODEL, "prompt": "a", "echo": True, "logprobs": 1},
+                 {"model": CHAT_MODEL, "prompt": ["a", "b"], "n": 40},
                  {"model": CHAT_MODEL, "prompt": "a", "best_of": 3}, {"model": CHAT_MODEL, "prompt": 7}):
         openai_error(openai(client, tenant, "completions", body), 400)
     for body in ({"model": EMBED_MODEL, "input": []}, {"model": EMBED_MODEL, "input": [[1, 2, 3]]},

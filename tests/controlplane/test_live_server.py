@@ -155,7 +155,7 @@ def test_lean_api_stack_keeps_security_headers_and_full_stack_serves_the_rest(li
 def test_base64_helper_matches_openai_decoding():
     import numpy as np
 
-    from controlplane.serving.views_openai import _base64_floats
+    from controlplane.serving.protocol.openai import base64_floats as _base64_floats
 
     vector = [0.5, -1.25, 3.0]
     decoded = np.frombuffer(base64.b64decode(_base64_floats(vector)), dtype="<f4").tolist()

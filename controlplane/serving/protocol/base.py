@@ -1,0 +1,95 @@
+"""What every API endpoint is: a request schema, parse → job, and render (the whole response, stream events).
+
+An endpoint never reads HTTP and never writes to the database: views hand it an admitted job, batch
+execution hands it a job and a finished run, and both get back what the API's clients expect.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, ClassVar
+
+from django.http import HttpResponse, StreamingHttpResponse
+
+from controlplane.api.http import ResponseWithAfterClose, dumps
+from controlplane.catalog.services import ModelEntry
+from controlplane.serving import pipeline
+from controlplane.serving.dispatch import EmbeddingResult
+from controlplane.serving.generation import Choice, Run
+from controlplane.serving.job import Job, Work
+from inference import RequestOutput
+
+
+def event_stream(events: AsyncIterator[bytes]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(events, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # proxies must pass each event on at once
+    return response
+
+
+class Endpoint(ABC):
+    path: ClassVar[str]  # the API path; what a batch line's url names
+    route: ClassVar[str]  # the usage route
+    style: ClassVar[str]  # the error envelope: "openai" or "native"
+    task: ClassVar[str | None]  # the model task it needs; None: decided by the model (native run)
+
+    def model_of(self, raw: dict[str, Any] | None) -> str | None:
+        value = raw.get("model") if raw is not None else None
+        return value if isinstance(value, str) and value else None
+
+    @abstractmethod
+    def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
+        """Parse and check a body for this model: the job to run, or ApiError. `batch`: the body is a batch
+        item (it must not stream)."""
+
+    def check(self, raw: dict[str, Any] | None, entry: ModelEntry | None) -> Job | None:
+        """parse for admission: without a model only the body's shape is checked."""
+        if entry is None:
+            self.shape(raw or {})
+            return None
+        return self.job(raw or {}, entry)
+
+    @abstractmethod
+    def shape(self, raw: dict[str, Any]) -> Any:
+        """The body checked against the schema alone (no model known yet)."""
+
+    @abstractmethod
+    def render(self, job: Job, run: Run, finals: list[RequestOutput], created: int) -> dict[str, Any]:
+        """The whole response of a finished generation job."""
+
+    def render_embeddings(self, job: Job, result: EmbeddingResult) -> dict[str, Any]:
+        raise NotImplementedError(f"{self.path} does not embed")
+
+    @abstractmethod
+    def events(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
+        """The SSE events of an opened stream."""
+
+    async def respond(self, adm: pipeline.Admission, *, affinity: str, started: float) -> HttpResponse:
+        """Run an admitted job and answer it: whole, or as a stream. Usage is written once the answer is on
+        the wire (a stream's when it ends or the client leaves)."""
+        job = adm.job
+        if job.work is Work.EMBED:
+            result, after = await pipeline.embed(adm, session_affinity=affinity, started=started)
+            return ResponseWithAfterClose(dumps(self.render_embeddings(job, result)),
+                                          content_type="application/json", after_close=after)
+        gen = pipeline.Generation(adm=adm, stream=job.stream, session_affinity=affinity, started=started)
+        await gen.prepare()
+        created = int(time.time())
+        if not job.stream:
+            finals = await gen.collect()
+            record = gen.usage_record()
+            payload = self.render(job, gen.run, finals, created)
+            return ResponseWithAfterClose(dumps(payload), content_type="application/json",
+                                          after_close=lambda: pipeline.commit_usage(adm, record))
+        await gen.open_stream()
+        return event_stream(self.events(gen, created))
+
+
+async def choice_outputs(gen: pipeline.Generation) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """The outputs of an opened stream, closed (and metered) however the consumer leaves."""
+    async with aclosing(gen.outputs()) as outputs:
+        async for item in outputs:
+            yield item
