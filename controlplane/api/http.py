@@ -65,9 +65,42 @@ def read_json(request: HttpRequest) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise errors.malformed(f"Malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise errors.malformed(f"Malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise errors.malformed(f"The body must be a JSON object, not {type(data).__name__}")
+    check_json_text(data)
     return data
+
+
+MAX_JSON_DEPTH = 64  # no request body of ours nests deeper; deeper ones only exhaust recursion downstream
+
+
+def check_json_text(data: Any) -> None:
+    """400 for what JSON can carry but nothing downstream can use: strings with a lone UTF-16 surrogate
+    ("\\ud800" is valid JSON, but no tokenizer or database takes it) and nesting past MAX_JSON_DEPTH. Walked
+    without recursion, so the check itself cannot be exhausted."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise errors.malformed(f"Malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            _check_string(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_string(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+
+
+def _check_string(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.malformed("Malformed JSON body: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                               "without its pair), which is not text") from None
 
 
 class ResponseWithAfterClose(HttpResponse):

@@ -8,6 +8,7 @@ from typing import Any
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
+from controlplane.api.http import check_json_text
 from controlplane.catalog.services import ModelEntry, get_model
 from controlplane.serving import pipeline
 from controlplane.serving.job import Job
@@ -59,8 +60,13 @@ def check_line(line: str, number: int, endpoint: str, allowed_models: tuple[str,
     raises ItemError naming the line."""
     try:
         data = json.loads(line)
+        check_json_text(data)
     except ValueError as exc:
         raise ItemError(errors.malformed(f"Line {number} is not valid JSON: {exc}")) from None
+    except RecursionError:
+        raise ItemError(errors.malformed(f"Line {number} is nested too deeply")) from None
+    except ApiError as exc:
+        raise ItemError(errors.malformed(f"Line {number}: {exc.message}")) from None
     if not isinstance(data, dict):
         raise ItemError(errors.malformed(f"Line {number} must be a JSON object"))
     custom_id = data.get("custom_id")

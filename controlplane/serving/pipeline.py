@@ -171,7 +171,8 @@ def admit(auth_header: str | None, *, account_id: str | None, model: str | None,
         body(None)  # a malformed body is still reported as such first
         raise errors.unknown_model(model)
     parsed = body(entry)
-    assert entry is not None
+    if entry is None:  # the body's shape was fine, but it names no model ("model": "")
+        raise errors.invalid("model: name a model from the catalog", "model")
     if not ctx.may_use(entry.name):
         raise errors.forbidden(f"This API key may not use {entry.name}")
     if task is not None and entry.task != task:

@@ -51,6 +51,10 @@ def openai_error(response, status: int, code: str | None = None) -> dict:
     (b"", "missing a body"),
     (b"[1, 2]", "must be a JSON object"),
     (b"\xff\xfe", "Malformed JSON"),
+    (b'{"prompt": "\\ud800 hi"}', "lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfff"}], "prompt": "x"}', "lone UTF-16 surrogate"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "nested deeper"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 65 + b"]" * 65 + b"}", "nested deeper"),
 ])
 def test_malformed_bodies(client, tenant, raw, fragment):
     assert fragment in native_error(native(client, tenant, None, raw=raw), 400, 3003)
@@ -132,6 +136,14 @@ def test_openai_completions_and_embeddings_validation(client, tenant):
                         {"model": EMBED_MODEL, "messages": [{"role": "user", "content": "x"}]}), 400)
     native_error(native(client, tenant, {"text": []}, model=EMBED_MODEL), 400, 5006)
     native_error(native(client, tenant, {"prompt": "x"}, model=EMBED_MODEL), 400, 5006)
+    assert_nothing_billable()
+
+
+def test_an_empty_model_name_is_a_400_on_every_openai_route(client, tenant):
+    for path, body in (("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("completions", {"prompt": "hi"}), ("embeddings", {"input": "hi"})):
+        error = openai_error(openai(client, tenant, path, {"model": "", **body}), 400)
+        assert error["param"] == "model"
     assert_nothing_billable()
 
 
