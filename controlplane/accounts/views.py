@@ -57,7 +57,10 @@ def keys(request: HttpRequest, account_id: str) -> HttpResponse:
     body = parse(KeyCreate, read_json(request))
     expires = None
     if body.expires_on:
-        expires = parse_datetime(body.expires_on)
+        try:
+            expires = parse_datetime(body.expires_on)
+        except ValueError:  # well formed but impossible, such as February 30th
+            expires = None
         if expires is None or expires.tzinfo is None:
             raise errors.invalid("expires_on must be an ISO 8601 time with a timezone", "expires_on")
     account = Account.objects.get(pk=account_id)

@@ -27,6 +27,7 @@ from django.utils.datastructures import MultiValueDict
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
+from controlplane.api.http import ascii_int
 
 # Room for the form's text fields (bounded by DATA_UPLOAD_MAX_MEMORY_SIZE) and the multipart part headers on top
 # of the files themselves, when a Content-Length is judged before parsing.
@@ -90,9 +91,9 @@ def too_large(limit: int) -> ApiError:
 
 def check_content_length(request: HttpRequest) -> None:
     """413 before reading a body whose declared length cannot fit the limit (plus the form's own fields)."""
-    length = request.headers.get("Content-Length", "")
+    length = ascii_int(request.headers.get("Content-Length"))
     slack = int(settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 0) + _MULTIPART_OVERHEAD
-    if length.isdigit() and int(length) > limit_bytes() + slack:
+    if length is not None and length > limit_bytes() + slack:
         raise too_large(limit_bytes())
 
 

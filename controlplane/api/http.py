@@ -22,6 +22,14 @@ log = logging.getLogger("controlplane.api")
 AFFINITY_HEADER = "x-session-affinity"  # an opaque session id a client sends; recorded with the usage
 
 
+def ascii_int(text: str | None) -> int | None:
+    """A non-negative integer written in ASCII digits, else None. str.isdigit() also accepts "²" and other
+    digits int() refuses, so query, header and form integers are read with this one check."""
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
 def dumps(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
@@ -49,10 +57,10 @@ SSE_DONE = sse("[DONE]")
 
 def read_json(request: HttpRequest) -> dict[str, Any]:
     """The body as a JSON object; 413 when too large, 400 (3003) when empty, not JSON or not an object."""
-    length = request.headers.get("Content-Length")
-    if length and length.isdigit() and int(length) > settings.HEARTH_MAX_REQUEST_BYTES:
+    length = ascii_int(request.headers.get("Content-Length"))
+    if length is not None and length > settings.HEARTH_MAX_REQUEST_BYTES:
         raise errors.request_too_large(
-            f"Request is too large: {int(length):,} bytes, the limit is {settings.HEARTH_MAX_REQUEST_BYTES:,}")
+            f"Request is too large: {length:,} bytes, the limit is {settings.HEARTH_MAX_REQUEST_BYTES:,}")
     try:
         raw = request.body
     except RequestDataTooBig:

@@ -23,6 +23,7 @@ from django.utils import timezone
 from controlplane.accounts.services import KeyContext
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
+from controlplane.api.http import ascii_int
 from controlplane.batches import events
 from controlplane.batches.models import Batch, File, Item
 from controlplane.batches.validation import ItemError, check_line
@@ -100,9 +101,10 @@ def _page(query: Any, model: Any, account_id: str, limit: int, after: str | None
 # ------------------------------------------------------------------------------------------------ batches
 def _window_hours(completion_window: str) -> int:
     value = completion_window.strip().lower()
-    if not value.endswith("h") or not value[:-1].isdigit() or not 1 <= int(value[:-1]) <= 168:
+    hours = ascii_int(value[:-1]) if value.endswith("h") else None
+    if hours is None or not 1 <= hours <= 168:
         raise errors.invalid("completion_window: give hours such as '24h' (1h to 168h)", "completion_window")
-    return int(value[:-1])
+    return hours
 
 
 def _check_metadata(metadata: Any) -> dict[str, str] | None:

@@ -13,7 +13,7 @@ from controlplane.accounts.services import KeyContext, authenticate_key, parse_b
 from controlplane.api import errors
 from controlplane.api.auth import require_account, require_permission
 from controlplane.api.body import parse, read_body
-from controlplane.api.http import api_view, json_response
+from controlplane.api.http import api_view, ascii_int, json_response
 from controlplane.batches import results, services
 from controlplane.batches.schemas import BatchCreate
 from controlplane.usage import limits
@@ -30,10 +30,10 @@ def _ctx(request: HttpRequest, account_id: str | None, permission: str) -> KeyCo
 
 
 def _page_args(request: HttpRequest) -> tuple[int, str | None]:
-    raw = request.GET.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+    limit = ascii_int(request.GET.get("limit", "20"))
+    if limit is None or not 1 <= limit <= MAX_PAGE:
         raise errors.invalid(f"limit: an integer from 1 to {MAX_PAGE}", "limit")
-    return int(raw), request.GET.get("after") or None
+    return limit, request.GET.get("after") or None
 
 
 def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
@@ -65,11 +65,11 @@ def files(request: HttpRequest, account_id: str | None = None) -> HttpResponse:
                                        f"{services.settings.HEARTH_BATCH_MAX_FILE_BYTES:,}")
     expires = None
     if form.get("expires_after[seconds]") is not None:
-        seconds = form.get("expires_after[seconds]", "")
-        if form.get("expires_after[anchor]", "created_at") != "created_at" or not seconds.isdigit() or not (
-                3600 <= int(seconds) <= 30 * 86400):
+        seconds = ascii_int(form.get("expires_after[seconds]", ""))
+        if form.get("expires_after[anchor]", "created_at") != "created_at" or seconds is None or not (
+                3600 <= seconds <= 30 * 86400):
             raise errors.invalid("expires_after: anchor created_at and 3600 to 2592000 seconds", "expires_after")
-        expires = int(seconds)
+        expires = seconds
     created = services.create_file(ctx, purpose=form.get("purpose", ""), filename=upload.name or "input.jsonl",
                                    content=upload.read(), expires_after_seconds=expires)
     return json_response(results.file_json(created))

@@ -35,12 +35,19 @@ class UsageQuery:
     group_by: tuple[str, ...]
 
 
+# Dates far outside any usage are refused rather than computed with: an end date of 9999-12-31 becomes the next
+# midnight and a start of 0001-01-01 minus a default span, and both overflow datetime.
+YEARS = range(1900, 9999)
+
+
 def _parse_time(value: str, name: str, *, end: bool) -> datetime:
     try:
         day = parse_date(value) if len(value) == 10 else None
         moment = None if day else parse_datetime(value)
     except ValueError:
         day = moment = None
+    if (day or moment) is not None and (day or moment).year not in YEARS:  # type: ignore[union-attr]
+        raise errors.invalid(f"{name} must be a date between {YEARS.start} and {YEARS.stop - 1}", name)
     if day is not None:
         # A bare end date includes that whole day.
         return datetime.combine(day + timedelta(days=1) if end else day, time.min, tzinfo=UTC)

@@ -1,0 +1,63 @@
+"""Input that once answered 500: each is now a 400 in the route's own envelope, and nothing is created."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from controlplane.accounts.models import ApiKey
+from controlplane.batches.models import Batch, File
+
+pytestmark = pytest.mark.django_db
+
+
+def _native_error(response, fragment: str) -> None:
+    assert response.status_code == 400, response.content
+    body = response.json()
+    assert body["success"] is False and fragment in body["errors"][0]["message"]
+
+
+def _openai_error(response, param: str) -> None:
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("value", ["²", "1²", "٣", "৪"])  # superscript, Arabic-Indic and Bengali digits
+def test_unicode_digits_in_integer_fields(client, tenant, value):
+    _openai_error(client.get(f"/v1/files?limit={value}", **tenant.auth), "limit")
+    _openai_error(client.get(f"/v1/batches?limit={value}", **tenant.auth), "limit")
+    upload = client.post("/v1/files", {"purpose": "batch", "expires_after[anchor]": "created_at",
+                                       "expires_after[seconds]": value,
+                                       "file": SimpleUploadedFile("in.jsonl", b"{}\n")}, **tenant.auth)
+    _openai_error(upload, "expires_after")
+    good = client.post("/v1/files", {"purpose": "batch", "file": SimpleUploadedFile("in.jsonl", b"{}\n")},
+                       **tenant.auth).json()
+    created = client.post("/v1/batches", data=json.dumps({"input_file_id": good["id"], "endpoint":
+                          "/v1/chat/completions", "completion_window": f"{value}h"}),
+                          content_type="application/json", **tenant.auth)
+    _openai_error(created, "completion_window")
+    assert not Batch.objects.exists() and File.objects.count() == 1
+
+
+@pytest.mark.parametrize("query", ["until=9999-12-31", "since=0001-01-01", "until=0001-01-01",
+                                   "since=0001-01-01T00:00:00Z", "until=9999-12-31T23:59:59Z"])
+def test_dates_out_of_range_in_usage_queries(client, tenant, query):
+    base = f"/client/v4/accounts/{tenant.account.pk}/ai/usage"
+    _native_error(client.get(f"{base}?{query}", **tenant.auth), "between")
+    _native_error(client.get(f"{base}/export?{query}", **tenant.auth), "between")
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"expires_on": "2031-02-30T00:00:00Z"}, "expires_on"),
+    ({"expires_on": "2031-13-01T00:00:00+00:00"}, "expires_on"),
+    ({"requests_per_minute": 2**70}, "requests_per_minute"),
+    ({"tokens_per_minute": 2**31}, "tokens_per_minute"),
+])
+def test_impossible_key_settings(client, tenant, body, fragment):
+    before = ApiKey.objects.count()
+    response = client.post(f"/client/v4/accounts/{tenant.account.pk}/tokens", data=json.dumps(body),
+                           content_type="application/json", **tenant.auth)
+    _native_error(response, fragment)
+    assert ApiKey.objects.count() == before
