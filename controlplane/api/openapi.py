@@ -53,6 +53,8 @@ class Operation:
     description: str = ""
     errors: tuple[int, ...] = (400, 401, 403)
     media: str | None = None  # the success response's media type when it is not JSON
+    also: str | None = None  # a second media type the success response may have (a format= query)
+    success: int = 200
     form: dict[str, Any] | None = None  # a multipart/form-data body's schema
 
 
@@ -100,7 +102,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("get", "/client/v4/accounts/{account_id}/tokens", "List the account's API keys", "API keys",
               params=(ACCOUNT,)),
     Operation("post", "/client/v4/accounts/{account_id}/tokens", "Create an API key (secret shown once)",
-              "API keys", body=(KeyCreate,), params=(ACCOUNT,)),
+              "API keys", body=(KeyCreate,), params=(ACCOUNT,), success=201),
     Operation("get", "/client/v4/accounts/{account_id}/tokens/{token_id}", "One API key", "API keys",
               params=(ACCOUNT, {"name": "token_id", "in": "path", "required": True, "schema": {"type": "string"}}),
               errors=(401, 403, 404)),
@@ -146,7 +148,7 @@ OPERATIONS: tuple[Operation, ...] = (
                       {"name": "key", "in": "query", "schema": {"type": "string"}},
                       {"name": "group_by", "in": "query", "schema": {"type": "string"},
                        "description": "Comma-separated: model, key, day, minute."},
-                      {"name": "format", "in": "query", "schema": {"enum": ["json", "csv"]}})),
+                      {"name": "format", "in": "query", "schema": {"enum": ["json", "csv"]}}), also="text/csv"),
     Operation("get", "/client/v4/accounts/{account_id}/ai/usage/export", "Usage as CSV", "Usage",
               params=(ACCOUNT,), media="text/csv"),
     Operation("get", "/v1/models", "List models (OpenAI)", "OpenAI", style="openai", errors=(401,)),
@@ -192,10 +194,13 @@ def _operation(op: Operation) -> dict[str, Any]:
         content["text/event-stream"] = {"schema": {"type": "string"}}
     if op.media:
         content = {op.media: {"schema": {"type": "string"}}}
+    if op.also:
+        content[op.also] = {"schema": {"type": "string"}}
     doc: dict[str, Any] = {
         "summary": op.summary, "tags": [op.tag], "operationId": f"{op.method}_{op.path}",
         "parameters": list(op.params),
-        "responses": {"200": {"description": "OK", "content": content},
+        "responses": {str(op.success): {"description": "Created" if op.success == 201 else "OK",
+                                        "content": content},
                       **{str(s): {"description": "Error", "content": {"application/json": {"schema": error_schema}}}
                          for s in op.errors}},
     }

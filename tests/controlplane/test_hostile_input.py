@@ -61,3 +61,11 @@ def test_impossible_key_settings(client, tenant, body, fragment):
                            content_type="application/json", **tenant.auth)
     _native_error(response, fragment)
     assert ApiKey.objects.count() == before
+
+
+def test_the_schema_documents_what_the_server_answers(client):
+    paths = client.get("/api/schema/").json()["paths"]
+    assert set(paths["/client/v4/accounts/{account_id}/tokens"]["post"]["responses"]) >= {"201"}
+    assert "200" not in paths["/client/v4/accounts/{account_id}/tokens"]["post"]["responses"]
+    usage = paths["/client/v4/accounts/{account_id}/ai/usage"]["get"]["responses"]["200"]["content"]
+    assert {"application/json", "text/csv"} <= set(usage)
