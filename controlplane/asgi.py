@@ -25,6 +25,8 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 django_app = get_asgi_application()
 
+from controlplane.serving.apps import metrics_token_check  # noqa: E402
+
 
 class ApiASGIHandler(ASGIHandler):
     """Django's handler with the lean HEARTH_API_MIDDLEWARE stack, for routes that only take API keys."""
@@ -88,6 +90,8 @@ if settings.HEARTH_SERVE_STATIC:
     django_app = ASGIStaticFilesHandler(django_app)
 
 log = logging.getLogger("controlplane.asgi")
+for warning in metrics_token_check():  # uvicorn runs no system checks: say it where operators look
+    log.warning("%s (%s)", warning.msg, warning.id)
 
 
 async def _preload() -> None:
