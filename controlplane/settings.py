@@ -216,6 +216,11 @@ MEDIA_URL = "/media/"  # never served: adapters are read by the engine, not down
 HEARTH_MAX_REQUEST_BYTES = env_int("HEARTH_MAX_REQUEST_BYTES", 10 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = HEARTH_MAX_REQUEST_BYTES
 
+# Backpressure: an interactive request whose estimated wait for an engine slot is longer than this many seconds
+# is refused at once (429, 3040, Retry-After) rather than queued; 0 turns the bound off. Batch items are never
+# refused, only held back.
+HEARTH_MAX_QUEUE_WAIT_S = float(os.environ.get("HEARTH_MAX_QUEUE_WAIT_S", "30"))
+
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 if PRODUCTION:

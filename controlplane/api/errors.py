@@ -167,9 +167,10 @@ def rate_limited(message: str, retry_after_s: float) -> ApiError:
                     headers=retry_headers(retry_after_s))
 
 
-def out_of_capacity(message: str = "Out of capacity: the engine queue is full, retry shortly") -> ApiError:
+def out_of_capacity(message: str = "Out of capacity: the engine queue is full, retry shortly",
+                    retry_after_s: float = 1) -> ApiError:
     return ApiError(429, CODE_OUT_OF_CAPACITY, message, openai_code="engine_overloaded",
-                    headers=retry_headers(1))
+                    headers=retry_headers(retry_after_s))
 
 
 def unavailable(message: str) -> ApiError:

@@ -11,6 +11,8 @@ import asyncio
 import logging
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
@@ -34,6 +36,52 @@ class EmbeddingResult:
     token_counts: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class Load:
+    """How busy a model's engine is, and how long a new request would wait for a sequence slot."""
+
+    running: int
+    waiting: int
+    slots: int
+    wait_s: float  # estimated; 0 when a slot is free now
+
+    @property
+    def busy(self) -> bool:
+        """A new request would wait for capacity (Workers AI's rejectIfBusy refuses it)."""
+        return self.waiting > 0 or self.running >= self.slots
+
+
+# Requests finish at an unknown rate until some have; estimate one's length from the engine's averages.
+ASSUMED_OUTPUT_TOKENS = 128
+
+
+class LoadMeter:
+    """Estimates queue wait from the rate at which an engine finishes requests over the last 30 s."""
+
+    WINDOW_S = 30.0
+
+    def __init__(self) -> None:
+        self._samples: dict[str, deque[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+
+    def load(self, model: str, metrics: EngineMetrics, slots: int) -> Load:
+        now = time.monotonic()
+        with self._lock:
+            samples = self._samples.setdefault(model, deque())
+            samples.append((now, metrics.requests_finished_total))
+            while len(samples) > 2 and samples[0][0] < now - self.WINDOW_S:
+                samples.popleft()
+            (t0, f0), (t1, f1) = samples[0], samples[-1]
+        running, waiting = metrics.running, metrics.queue_depth
+        if waiting == 0 and running < slots:
+            return Load(running, waiting, slots, 0.0)
+        rate = (f1 - f0) / (t1 - t0) if t1 - t0 >= 1.0 and f1 > f0 else 0.0
+        if rate <= 0.0:  # nothing finished lately: every running sequence takes an average request's time
+            each = (metrics.ttft_s_avg or 1.0) + (metrics.tpot_s_avg or 0.05) * ASSUMED_OUTPUT_TOKENS
+            rate = max(running, 1) / each
+        return Load(running, waiting, slots, (waiting + 1) / rate)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What the control plane needs from inference, wherever it runs."""
@@ -54,6 +102,9 @@ class Backend(Protocol):
     async def embed(self, model: str, texts: list[str]) -> EmbeddingResult: ...
 
     def metrics(self) -> Mapping[str, EngineMetrics]: ...
+
+    def load(self, model: str) -> Load | None:
+        """The model's load now; None when its engine is not running here (nothing is waiting for it)."""
 
     def shutdown(self) -> None: ...
 
@@ -97,6 +148,7 @@ class InProcessBackend:
         self._load_lock = threading.Lock()
         # The embedder runs its forward pass in the calling thread; one at a time keeps CPU threads sane.
         self._embed_lock = threading.Lock()
+        self._meter = LoadMeter()
 
     # ------------------------------------------------------------------ loading
     def _load_engine(self, model: str) -> AsyncEngine:
@@ -162,6 +214,12 @@ class InProcessBackend:
 
     def metrics(self) -> Mapping[str, EngineMetrics]:
         return {name: engine.metrics() for name, engine in list(self._engines.items())}
+
+    def load(self, model: str) -> Load | None:
+        engine = self._engines.get(model)
+        if engine is None or not engine.alive:
+            return None
+        return self._meter.load(model, engine.metrics(), engine.engine.config.max_num_seqs)
 
     def shutdown(self) -> None:
         with self._load_lock:

@@ -65,6 +65,7 @@ class Job:
     constraint: Constraint | None = None  # what the output must match (JSON schema, tool calls, ...)
     tools: Tools | None = None
     texts: tuple[str, ...] = ()  # embeddings
+    reject_if_busy: bool = False  # refuse at once rather than wait for an engine slot (interactive only)
     # Resolved against the catalog and the account at admission (or when a batch item is checked).
     adapter: str = ""  # the LoRA adapter's name, recorded with the usage; "" for the base model
     lora: LoRARequest | None = None

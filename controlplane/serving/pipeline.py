@@ -35,7 +35,7 @@ from controlplane.api.metrics import (
 )
 from controlplane.catalog.models import Task
 from controlplane.catalog.services import ModelEntry, PriceSnapshot, get_model
-from controlplane.serving.dispatch import EmbeddingResult, get_backend
+from controlplane.serving.dispatch import EmbeddingResult, Load, get_backend
 from controlplane.serving.generation import Choice, Run, failed_output
 from controlplane.serving.job import Job
 from controlplane.usage import limits
@@ -249,6 +249,23 @@ async def write_usage(adm: Admission, rec: UsageRecord) -> None:
     await asyncio.shield(sync_to_async(commit_usage)(adm, rec))
 
 
+def check_capacity(job: Job, load: Load | None) -> None:
+    """Backpressure for interactive requests: 429 (3040) at once when the request asked to be refused while
+    the model is busy (Workers AI's rejectIfBusy), or when its estimated wait for an engine slot is past
+    HEARTH_MAX_QUEUE_WAIT_S. Batch items never come here: they are held back, never refused."""
+    if load is None:
+        return
+    if job.reject_if_busy and load.busy:
+        raise errors.out_of_capacity(f"{job.model} is busy ({load.running} running, {load.waiting} waiting) and "
+                                     "the request asked not to wait (rejectIfBusy)",
+                                     retry_after_s=max(1.0, load.wait_s))
+    bound = float(settings.HEARTH_MAX_QUEUE_WAIT_S)
+    if bound > 0 and load.wait_s > bound:
+        raise errors.out_of_capacity(f"{job.model} is overloaded: a new request would wait about "
+                                     f"{load.wait_s:.0f} s for a slot (the bound is {bound:.0f} s); retry later",
+                                     retry_after_s=load.wait_s)
+
+
 @dataclass(slots=True)
 class Generation:
     """One admitted text-generation job on the backend, metered: from prompt to usage."""
@@ -274,8 +291,10 @@ class Generation:
         return self.run.request_id
 
     async def prepare(self) -> None:
-        """Compile the grammar, tokenise and size every prompt; refusals are recorded and raised."""
+        """Check capacity, compile the grammar, tokenise and size every prompt; refusals are recorded and
+        raised."""
         try:
+            check_capacity(self.job, self.run.backend.load(self.job.model))
             await self.run.prepare()
         except EngineError as exc:
             await self.fail(errors.from_engine(exc, self.job.model))

@@ -154,6 +154,12 @@ class _Sampling(StrictBody):
         "the model's default when absent. Long prompts only; evicts the entries attention used least.")
 
 
+class NativeOptions(StrictBody):
+    rejectIfBusy: bool = Field(False, description="Answer 429 (3040) at once when the model has no free "
+                               "capacity, instead of queueing.")
+    queueRequest: bool = Field(False, description="Run as an async batch (see the queueRequest API).")
+
+
 class NativeTextGeneration(_Sampling):
     """Workers AI text generation: a prompt (raw, or wrapped as one user message on chat models) or messages."""
 
@@ -166,6 +172,7 @@ class NativeTextGeneration(_Sampling):
     tools: list[FunctionTool | FlatTool] | None = Field(
         None, description="Functions the model may call ({name, description, parameters}, or OpenAI's "
         "{type: function, function: {...}}); calls come back in result.tool_calls.")
+    options: NativeOptions | None = None
 
 
 class NativeEmbeddings(StrictBody):
@@ -198,6 +205,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: ToolChoice | None = Field(
         None, description="auto (the default with tools), none, required, or {type: function, function: {name}}.")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
+    rejectIfBusy: bool = Field(False, description="Answer 429 (engine_overloaded) at once when the model has no "
+                               "free capacity, instead of queueing.")
 
 
 class CompletionRequest(_OpenAISampling):

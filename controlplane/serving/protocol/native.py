@@ -92,7 +92,8 @@ class NativeRun(Endpoint):
                   else Prompt(messages=message_dicts(body.messages or [])))
         return Job(entry=entry, route=self.route, body=body, prompts=(prompt,),
                    params=sampling_params(body, temperature=DEFAULT_TEMPERATURE), max_tokens=body.max_tokens,
-                   default_max_tokens=DEFAULT_MAX_TOKENS, stream=body.stream, constraint=constraint, tools=tools)
+                   default_max_tokens=DEFAULT_MAX_TOKENS, stream=body.stream, constraint=constraint, tools=tools,
+                   reject_if_busy=bool(body.options and body.options.rejectIfBusy))
 
     def result(self, job: Job, run: Run, finals: list[RequestOutput]) -> dict[str, Any]:
         """`result` of a finished generation job (the envelope's, and a queued request's)."""

@@ -85,7 +85,7 @@ class ChatCompletions(Endpoint):
             constraint = tool_glue.constraint(tools)
         return Job(entry=entry, route=self.route, body=body, prompts=(Prompt(messages=message_dicts(body.messages)),),
                    params=params, max_tokens=max_tokens, n=n, stream=body.stream, constraint=constraint,
-                   tools=tools)
+                   tools=tools, reject_if_busy=body.rejectIfBusy)
 
     def render(self, job: Job, run: Run, finals: list[RequestOutput], created: int) -> dict[str, Any]:
         choices = []
