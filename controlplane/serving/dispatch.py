@@ -23,6 +23,7 @@ from django.core.exceptions import ImproperlyConfigured
 from inference import AsyncEngine, EngineConfig, GenerationRequest, ModelInfo, RequestOutput
 from inference.constrained import Constraint
 from inference.engine import EngineMetrics
+from inference.errors import PromptTooLongError
 from inference.models.bert import Embedder
 
 log = logging.getLogger("controlplane.serving")
@@ -138,6 +139,23 @@ def _catalog_settings(model: str) -> Mapping[str, Any]:
     return chosen
 
 
+def _char_limit(engine: AsyncEngine) -> int:
+    """Characters past which no prompt fits the context: the context length times the longest token's text
+    (every token stands for at least one character of the prompt, and at most this many)."""
+    tokenizer = engine.tokenizer
+    longest = max((len(tokenizer.convert_tokens_to_string([t])) for t in tokenizer.get_vocab()), default=1)
+    return engine.engine.max_model_len * max(longest, 1)
+
+
+def _message_chars(message: Any) -> int:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
 class InProcessBackend:
     """Engines in this process, loaded on first use (loading happens in a worker thread, off the event loop)."""
 
@@ -149,6 +167,7 @@ class InProcessBackend:
         # The embedder runs its forward pass in the calling thread; one at a time keeps CPU threads sane.
         self._embed_lock = threading.Lock()
         self._meter = LoadMeter()
+        self._char_limits: dict[str, int] = {}
 
     # ------------------------------------------------------------------ loading
     def _load_engine(self, model: str) -> AsyncEngine:
@@ -187,8 +206,21 @@ class InProcessBackend:
 
     async def encode(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None,
                      raw: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids, computed in a worker thread: a multi-megabyte prompt takes seconds to tokenise, and the
+        event loop serves every other tenant meanwhile. A prompt too long to fit the context whatever its
+        tokens is refused before tokenising."""
         engine = await self.engine(model)
-        return engine.encode(prompt=prompt, messages=messages, raw=raw, tools=tools)
+        limit = self._char_limits.get(model)
+        if limit is None:
+            limit = await asyncio.to_thread(_char_limit, engine)
+            self._char_limits[model] = limit
+        chars = len(prompt or "") + sum(_message_chars(m) for m in messages or ())
+        if chars > limit:
+            window = engine.engine.max_model_len
+            # prompt_tokens: a lower bound (a token stands for at most limit / window characters).
+            raise PromptTooLongError(f"the prompt is {chars:,} characters, more than a context of {window:,} "
+                                     "tokens can hold", prompt_tokens=chars * window // limit, limit=window)
+        return await asyncio.to_thread(engine.encode, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
     async def prepare_constraint(self, model: str, constraint: Constraint) -> None:
         await (await self.engine(model)).compile_constraint(constraint)

@@ -24,6 +24,7 @@ from inference.spec.settings import SpeculationSettings
 MAX_CHOICES = 8  # n per prompt
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_SEQUENCES = 64  # prompts × n: one request never takes more than an engine's sequence slots
+MAX_EMBEDDING_INPUTS = 2048  # texts in one embeddings request (OpenAI's limit)
 
 
 class Work(StrEnum):
@@ -126,6 +127,15 @@ def schema_constraint(schema: Any, param: str) -> Constraint:
         return Constraint.json_schema(schema)
     except InvalidRequestError as exc:
         raise errors.invalid(f"{param}: {exc}", param) from None
+
+
+def check_texts(texts: list[str], param: str) -> tuple[str, ...]:
+    """Texts to embed: 1 to MAX_EMBEDDING_INPUTS non-empty strings."""
+    if not texts or any(not t.strip() for t in texts):
+        raise errors.invalid(f"{param} must be a non-empty string or a non-empty list of them", param)
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise errors.invalid(f"{param}: {len(texts):,} texts; at most {MAX_EMBEDDING_INPUTS:,} per request", param)
+    return tuple(texts)
 
 
 def output_budget(entry: ModelEntry, prompt_tokens: int, max_tokens: int | None,

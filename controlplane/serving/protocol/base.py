@@ -6,6 +6,7 @@ execution hands it a job and a finished run, and both get back what the API's cl
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -73,8 +74,9 @@ class Endpoint(ABC):
         job = adm.job
         if job.work is Work.EMBED:
             result, after = await pipeline.embed(adm, session_affinity=affinity, started=started)
-            return ResponseWithAfterClose(dumps(self.render_embeddings(job, result)),
-                                          content_type="application/json", after_close=after)
+            # Thousands of vectors take seconds to write as JSON: not on the loop every tenant shares.
+            payload = await asyncio.to_thread(lambda: dumps(self.render_embeddings(job, result)))
+            return ResponseWithAfterClose(payload, content_type="application/json", after_close=after)
         gen = pipeline.Generation(adm=adm, stream=job.stream, session_affinity=affinity, started=started)
         await gen.prepare()
         created = int(time.time())

@@ -16,7 +16,7 @@ from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
 from controlplane.serving.dispatch import EmbeddingResult
 from controlplane.serving.generation import Run
-from controlplane.serving.job import Job, Prompt, Work, sampling_params
+from controlplane.serving.job import Job, Prompt, Work, check_texts, sampling_params
 from controlplane.serving.protocol import tools as tool_glue
 from controlplane.serving.protocol.base import Endpoint, choice_outputs
 from controlplane.serving.protocol.common import (
@@ -64,10 +64,8 @@ class NativeRun(Endpoint):
     def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
         if entry.is_embedding:
             emb = parse(NativeEmbeddings, raw)
-            texts = [emb.text] if isinstance(emb.text, str) else emb.text
-            if not texts or any(not t.strip() for t in texts):
-                raise errors.invalid("text must be a non-empty string or a non-empty list of them", "text")
-            return Job(entry=entry, route=self.route, body=emb, work=Work.EMBED, texts=tuple(texts))
+            texts = check_texts([emb.text] if isinstance(emb.text, str) else emb.text, "text")
+            return Job(entry=entry, route=self.route, body=emb, work=Work.EMBED, texts=texts)
         body = parse(NativeTextGeneration, raw)
         if batch and body.stream:
             raise errors.invalid("stream: batch requests cannot stream; their results are stored", "stream")

@@ -17,7 +17,7 @@ from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
 from controlplane.serving.dispatch import EmbeddingResult
 from controlplane.serving.generation import Run
-from controlplane.serving.job import MAX_PROMPTS, Job, Prompt, Work, check_n, sampling_params
+from controlplane.serving.job import MAX_PROMPTS, Job, Prompt, Work, check_n, check_texts, sampling_params
 from controlplane.serving.protocol import tools as tool_glue
 from controlplane.serving.protocol.base import Endpoint, choice_outputs
 from controlplane.serving.protocol.common import (
@@ -244,16 +244,12 @@ class Embeddings(Endpoint):
 
     def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
         body = self.shape(raw)
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        if not texts:
-            raise errors.invalid("input must not be empty", "input")
-        if any(not t.strip() for t in texts):
-            raise errors.invalid("input: every string must be non-empty", "input")
+        texts = check_texts([body.input] if isinstance(body.input, str) else body.input, "input")
         dim = dict(entry.properties).get("dimensions")
         if body.dimensions is not None and body.dimensions != dim:
             raise errors.invalid(f"dimensions: this model only produces {dim}-dimensional embeddings",
                                  "dimensions")
-        return Job(entry=entry, route=self.route, body=body, work=Work.EMBED, texts=tuple(texts))
+        return Job(entry=entry, route=self.route, body=body, work=Work.EMBED, texts=texts)
 
     def render_embeddings(self, job: Job, result: EmbeddingResult) -> dict[str, Any]:
         encode = base64_floats if job.body.encoding_format == "base64" else (lambda v: v)
