@@ -48,9 +48,16 @@ def expire_due(now: datetime | None = None) -> list[str]:
 def sweep(now: datetime | None = None, *, startup: bool = False) -> dict[str, int]:
     """The safety net under the broker: expire what is due, re-send messages that were lost (or whose worker
     died), fill dispatch windows and finish batches left half-finalised. At startup of the embedded worker
-    (whose queue was just rebuilt) every unfinished dispatched item is re-sent at once."""
+    (whose queue was just rebuilt) every unfinished dispatched item is re-sent at once.
+
+    A running item whose lease lapsed lost its worker (a live worker renews every third of the lease): it is
+    re-sent at the next sweep, not after the redispatch delay meant for queued messages that may still be on
+    their way. At the embedded worker's startup the leases still live belong to the process that died (the
+    embedded queue has no other consumer), so they are ended at once and their items resume now."""
     now = now or _now()
     stale = now if startup else now - timedelta(seconds=settings.HEARTH_BATCH_REDISPATCH_SECONDS)
+    if startup:
+        Item.objects.filter(status=ItemStatus.RUNNING, lease_until__gt=now).update(lease_until=now)
     counts = {"expired": len(expire_due(now)), "prepared": 0, "resent": 0, "finalized": 0}
     validating = list(Batch.objects.filter(status=Status.VALIDATING, created_at__lte=stale)
                       .values_list("pk", flat=True))
@@ -58,8 +65,9 @@ def sweep(now: datetime | None = None, *, startup: bool = False) -> dict[str, in
     counts["prepared"] = len(validating)
     for batch_id in Batch.objects.filter(status__in=(Status.IN_PROGRESS, Status.CANCELLING)).values_list(
             "pk", flat=True):
-        lost = Item.objects.filter(batch_id=batch_id, dispatched_at__lte=stale).filter(
-            Q(status=ItemStatus.QUEUED) | Q(status=ItemStatus.RUNNING, lease_until__lte=now))
+        lost = Item.objects.filter(batch_id=batch_id).filter(
+            Q(status=ItemStatus.QUEUED, dispatched_at__lte=stale)
+            | Q(status=ItemStatus.RUNNING, lease_until__lte=now))
         ids = list(lost.values_list("pk", flat=True))
         if ids:
             Item.objects.filter(pk__in=ids).update(dispatched_at=now)

@@ -258,6 +258,30 @@ def test_sweep_resends_work_a_dead_worker_held(tenant, settings, batch_worker):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.real_model
 @pytest.mark.redis
+def test_a_lapsed_lease_is_resent_at_once_and_a_restart_ends_the_dead_process_leases(tenant, settings,
+                                                                                   batch_worker):
+    settings.HEARTH_BATCH_WINDOW = 0
+    batch = native_batch(tenant, 2)
+    now = timezone.now()
+    ids = list(Item.objects.filter(batch=batch).values_list("pk", flat=True))
+    # Dispatched moments ago, its worker gone: the lease lapsed, so waiting out the redispatch delay is no use.
+    Item.objects.filter(pk=ids[0]).update(status="running", claim_token="dead", lease_until=now - timedelta(seconds=1),
+                                          attempts=1, dispatched_at=now)
+    # Still leased, by the process that just died: only a restart of the embedded worker may end that lease.
+    Item.objects.filter(pk=ids[1]).update(status="running", claim_token="dead", lease_until=now + timedelta(
+        minutes=1), attempts=1, dispatched_at=now)
+    settings.HEARTH_BATCH_WINDOW = 40
+    assert maintenance.sweep()["resent"] == 1
+    assert maintenance.sweep(startup=True)["resent"] >= 1
+    started = time.monotonic()
+    done = wait_batch(batch.pk)
+    assert (done.status, done.completed_count, done.failed_count) == ("completed", 2, 0)
+    assert time.monotonic() - started < 30  # not the minute the dead lease had left
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.real_model
+@pytest.mark.redis
 def test_busy_engine_means_retry_with_backoff_never_failure(tenant, batch_worker):
     from celery.signals import task_retry
 
