@@ -11,7 +11,7 @@ import pytest
 from cp_support import CHAT_MODEL
 from test_live_server import live, wait_for_events  # noqa: F401  (live is a fixture)
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model, pytest.mark.once]
 
 SLOTS = 16  # the test backend's max_num_seqs
 

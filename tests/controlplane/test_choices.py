@@ -8,7 +8,7 @@ from test_live_server import client_for, live, wait_for_events  # noqa: F401  (l
 
 from controlplane.usage.models import UsageEvent
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model, pytest.mark.once]
 
 MESSAGES = [{"role": "system", "content": "You write one short line. " * 12},
             {"role": "user", "content": "Name a colour."}]

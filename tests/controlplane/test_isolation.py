@@ -12,7 +12,7 @@ import pytest
 from cp_support import CHAT_MODEL, EMBED_MODEL
 from test_live_server import live  # noqa: F401  (a fixture)
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model, pytest.mark.once]
 
 
 def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
