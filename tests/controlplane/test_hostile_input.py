@@ -69,3 +69,11 @@ def test_the_schema_documents_what_the_server_answers(client):
     assert "200" not in paths["/client/v4/accounts/{account_id}/tokens"]["post"]["responses"]
     usage = paths["/client/v4/accounts/{account_id}/ai/usage"]["get"]["responses"]["200"]["content"]
     assert {"application/json", "text/csv"} <= set(usage)
+
+
+def test_nul_characters_are_text(client, tenant, backend):
+    """NUL is a valid character in JSON strings and the tokenizer encodes it like any other: accepted."""
+    response = client.post(f"{tenant.run_url}@hearth/smollm2-135m-instruct", data=json.dumps(
+        {"prompt": "a\u0000b", "raw": True, "max_tokens": 1}), content_type="application/json", **tenant.auth)
+    assert response.status_code == 200, response.content
+    assert response.json()["result"]["usage"]["prompt_tokens"] >= 3
