@@ -100,7 +100,13 @@ def test_worker_killed_mid_batch_loses_nothing_and_writes_nothing_twice(tenant, 
     assert held and done_before < ITEMS  # it really died mid-batch, holding claims
 
     second = _start_worker(batch_queue, "rescuer", tmp_path, beat=True)
+    restarted = time.monotonic()
     try:
+        # The dead worker's items resume as soon as their 4 s leases lapse (the next 5 s sweep at the latest),
+        # not after the 20 s redispatch delay; a loaded machine gets the worker's own startup on top.
+        _wait(lambda: items.filter(pk__in=held, status="succeeded").exists(), "a held item to resume", 120,
+              second, batch.pk)
+        resumed_s = time.monotonic() - restarted
         _wait(lambda: Batch.objects.get(pk=batch.pk).status == "completed", "the second worker to finish", 240,
               second, batch.pk)
     finally:
@@ -110,6 +116,7 @@ def test_worker_killed_mid_batch_loses_nothing_and_writes_nothing_twice(tenant, 
         except subprocess.TimeoutExpired:
             second.kill()
 
+    assert resumed_s < 40, f"the batch resumed {resumed_s:.1f} s after the restart"
     finished = Batch.objects.get(pk=batch.pk)
     assert (finished.total_count, finished.completed_count, finished.failed_count) == (ITEMS, ITEMS, 0)
     rows = list(items.order_by("index"))
