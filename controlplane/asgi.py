@@ -9,7 +9,6 @@ place where the dashboard's WebSocket routes plug in.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -25,6 +24,7 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 django_app = get_asgi_application()
 
+from controlplane.api import errors  # noqa: E402
 from controlplane.serving.apps import metrics_token_check  # noqa: E402
 
 
@@ -48,39 +48,89 @@ API_PATHS = re.compile(r"^/(v1/|healthz$|metrics$|client/v4/accounts/[^/]+/ai/(r
 api_app = ApiASGIHandler()
 
 
-# Adapter uploads: Django's handler spools a whole body to a temporary file before any view runs, so a body
-# declared larger than an adapter may be is refused here, before a byte of it is read.
+# Django's handler reads a whole body (spooling a large one to a temporary file) before any view runs, so what
+# must not be read is refused here: a body declared larger than its route takes, a chunked body once it passes
+# that size, and an API write that carries no key at all (an anonymous caller learns nothing and costs nothing).
 UPLOAD_PATHS = re.compile(r"^/(client/v4/accounts/[^/]+/ai/finetunes|dashboard/[^/]+/adapters/)")
+FILE_PATHS = re.compile(r"^/(v1/|client/v4/accounts/[^/]+/ai/v1/)files$")
+OPENAI_PATHS = re.compile(r"^/(v1/|client/v4/accounts/[^/]+/ai/v1/)")
 UPLOAD_SLACK = 16 * 1024 * 1024  # the multipart framing and the form's other fields
 
 
-def _declared_length(scope: dict[str, Any]) -> int | None:
+def _body_limit(path: str) -> int:
+    if UPLOAD_PATHS.match(path):
+        return int(settings.HEARTH_LORA_MAX_BYTES) + UPLOAD_SLACK
+    if FILE_PATHS.match(path):
+        return int(settings.HEARTH_BATCH_MAX_FILE_BYTES) + UPLOAD_SLACK
+    return int(settings.HEARTH_MAX_REQUEST_BYTES)
+
+
+def _header(scope: dict[str, Any], wanted: bytes) -> bytes | None:
     for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+        if name == wanted:
+            return value
     return None
 
 
-async def _too_large(send: Any, limit: int) -> None:
-    body = json.dumps({"success": False, "result": None, "messages": [], "errors": [
-        {"code": 3006, "message": f"Request is too large: an adapter upload may be at most {limit} bytes"}]}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def _declared_length(scope: dict[str, Any]) -> int | None:
+    value = _header(scope, b"content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+async def _refuse(send: Any, path: str, error: Any) -> None:
+    response = error.response("openai" if OPENAI_PATHS.match(path) else "native")
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(response.content)).encode()),
+               (b"connection", b"close")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": response.content})
+
+
+def _counted(receive: Any, send: Any, path: str, limit: int) -> tuple[Any, Any]:
+    """receive and send for a body of unknown length: past `limit` bytes the client gets a 413 and the
+    application a disconnect, so nothing more is read or spooled."""
+    state = {"read": 0, "refused": False, "started": False}
+
+    async def counted_receive() -> dict[str, Any]:
+        if state["refused"]:
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.request":
+            state["read"] += len(message.get("body", b""))
+            if state["read"] > limit:
+                state["refused"] = True
+                if not state["started"]:
+                    await _refuse(send, path, errors.request_too_large(
+                        f"Request is too large: over {limit:,} bytes"))
+                return {"type": "http.disconnect"}
+        return message
+
+    async def guarded_send(message: dict[str, Any]) -> None:
+        if state["refused"]:
+            return  # the 413 is the answer
+        state["started"] = True
+        await send(message)
+
+    return counted_receive, guarded_send
 
 
 async def http_router(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope.get("path", "")
-    if UPLOAD_PATHS.match(path):
-        limit = int(settings.HEARTH_LORA_MAX_BYTES)
-        declared = _declared_length(scope)
-        if declared is not None and declared > limit + UPLOAD_SLACK:
-            await _too_large(send, limit)
-            return
     app = api_app if API_PATHS.match(path) else django_app
+    if scope.get("method") in ("POST", "PUT", "PATCH"):
+        if app is api_app and _header(scope, b"authorization") is None:
+            await _refuse(send, path, errors.unauthorized("Missing API key: send `Authorization: Bearer <key>`"))
+            return
+        limit = _body_limit(path)
+        declared = _declared_length(scope)
+        if declared is not None and declared > limit:
+            limit_text = int(settings.HEARTH_LORA_MAX_BYTES) if UPLOAD_PATHS.match(path) else limit
+            what = "an adapter upload" if UPLOAD_PATHS.match(path) else "this route's body"
+            await _refuse(send, path, errors.request_too_large(
+                f"Request is too large: {what} may be at most {limit_text} bytes"))
+            return
+        if declared is None:
+            receive, send = _counted(receive, send, path, limit)
     await app(scope, receive, send)
 
 

@@ -66,3 +66,36 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
     print(f"max chunk gap {max_gap:.3f} s, slowest /healthz {slowest_healthz:.3f} s")
     assert statuses == [413, 413, 413, 413, 200, 400]
     assert max_gap < 1.0 and slowest_healthz < 0.4
+
+
+def _raw_request(url: str, head: str, body_chunks: int = 0, chunk: bytes = b"") -> tuple[int, float]:
+    """Send a request head (and optionally chunked body pieces) over a plain socket; the status line and how
+    long the answer took."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    started = time.monotonic()
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        try:
+            for _ in range(body_chunks):
+                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        except OSError:
+            pass  # the server answered and closed: it stopped reading, as it should
+        status = sock.recv(4096).split(b"\r\n", 1)[0]
+    return int(status.split()[1]), time.monotonic() - started
+
+
+def test_bodies_that_must_not_be_read_are_refused_before_reading(live):  # noqa: F811
+    url, tenant = live
+    huge = 300 * 1024 * 1024
+    keyless = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {huge}\r\n\r\n")
+    assert _raw_request(url, keyless)[0] == 401  # answered from the head alone: no body was sent
+    keyed = keyless.replace("Host: x\r\n", f"Host: x\r\nAuthorization: Bearer {tenant.secret}\r\n")
+    status, took = _raw_request(url, keyed)
+    assert status == 413 and took < 5
+    chunked = (f"POST {tenant.run_url}{CHAT_MODEL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tenant.secret}\r\n"
+               "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert _raw_request(url, chunked, body_chunks=40, chunk=b" " * (1024 * 1024))[0] == 413  # 40 MB offered
