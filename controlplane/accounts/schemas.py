@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from controlplane.accounts.models import ApiKey
-from controlplane.api.body import StrictBody
+from controlplane.api.body import Integer, StrictBody
 
 MAX_LIMIT = 2**31 - 1
 
@@ -16,5 +16,5 @@ class KeyCreate(StrictBody):
     models: list[str] = Field(default_factory=list, description="Model names; empty: every model.")
     expires_on: str | None = Field(None, description="ISO 8601 time after which the key stops working.")
     # Bounded by the database's integer column: a larger number would fail the insert, not the request.
-    requests_per_minute: int | None = Field(None, ge=0, le=MAX_LIMIT)
-    tokens_per_minute: int | None = Field(None, ge=0, le=MAX_LIMIT)
+    requests_per_minute: Integer | None = Field(None, ge=0, le=MAX_LIMIT)
+    tokens_per_minute: Integer | None = Field(None, ge=0, le=MAX_LIMIT)

@@ -3,14 +3,25 @@ fit, and reading a body whose error is reported only after the caller is authent
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from django.http import HttpRequest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import read_json
+
+
+def _integral(value: Any) -> Any:
+    # JSON has one number type: 1751.0 is the integer 1751 to JSON Schema (and to the OpenAPI document), so
+    # strict integer fields take it; 1.5 and "5" are still refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]  # an integer field of a request body
 
 
 class StrictBody(BaseModel):

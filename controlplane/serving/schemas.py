@@ -15,7 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from controlplane.api.body import StrictBody
+from controlplane.api.body import Integer, StrictBody
 
 
 class TextPart(StrictBody):
@@ -110,7 +110,7 @@ class NativeResponseFormat(StrictBody):
 
 class Speculation(StrictBody):
     mode: str = Field(description="off, ngram (prompt lookup) or draft (the model's draft model).")
-    k: int | None = Field(None, description="Most draft tokens per step, 1 to 16; the model's default if absent.")
+    k: Integer | None = Field(None, description="Most draft tokens per step, 1 to 16; the model's default if absent.")
 
 
 def _one_speculation_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -131,15 +131,15 @@ SpeculationField = Annotated[str | Speculation | None, WrapValidator(_one_specul
 
 class KVCompression(StrictBody):
     rate: float | None = Field(None, description="Keep 1/rate of the KV cache entries (>= 1; 1 turns it off).")
-    max_cache_tokens: int | None = Field(None, description="Or: keep at most this many entries per attention head.")
+    max_cache_tokens: Integer | None = Field(None, description="Or: keep at most this many entries per attention head.")
 
 
 class _Sampling(StrictBody):
-    max_tokens: int | None = Field(None, description="Tokens to generate at most (>= 1).")
+    max_tokens: Integer | None = Field(None, description="Tokens to generate at most (>= 1).")
     temperature: float | None = Field(None, description="0 (greedy) to 5.")
     top_p: float | None = Field(None, description="Nucleus sampling, in (0, 1].")
-    top_k: int | None = Field(None, description="Sample from the k most likely tokens; 0 disables.")
-    seed: int | None = Field(None, description="Makes sampling reproducible, in [0, 2^63).")
+    top_k: Integer | None = Field(None, description="Sample from the k most likely tokens; 0 disables.")
+    seed: Integer | None = Field(None, description="Makes sampling reproducible, in [0, 2^63).")
     repetition_penalty: float | None = Field(None, description="In (0, 2]; 1 disables.")
     frequency_penalty: float | None = Field(None, description="In [-2, 2].")
     presence_penalty: float | None = Field(None, description="In [-2, 2].")
@@ -188,16 +188,16 @@ class StreamOptions(StrictBody):
 
 class _OpenAISampling(_Sampling):
     model: str
-    n: int | None = Field(None, description="Choices to generate, 1 to 8; the prompt is computed once.")
+    n: Integer | None = Field(None, description="Choices to generate, 1 to 8; the prompt is computed once.")
     stream_options: StreamOptions | None = None
     user: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs: true.")
+    top_logprobs: Integer | None = Field(None, description="0 to 20; needs logprobs: true.")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema {name, schema, strict}: the output is constrained "
         "to the schema by the grammar.")
@@ -211,10 +211,10 @@ class ChatCompletionRequest(_OpenAISampling):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] = Field(description="One prompt, or a list of up to 16 (a choice each).")
-    logprobs: int | None = Field(None, description="0 to 20 alternatives per token.")
+    logprobs: Integer | None = Field(None, description="0 to 20 alternatives per token.")
     echo: bool = Field(False, description="Put the prompt before each choice's text.")
     response_format: ResponseFormat | None = Field(None, description="As on chat completions.")
-    best_of: int | None = None
+    best_of: Integer | None = None
     suffix: str | None = None
 
 
@@ -222,5 +222,5 @@ class EmbeddingRequest(StrictBody):
     model: str
     input: str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Integer | None = None
     user: str | None = None

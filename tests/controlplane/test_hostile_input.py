@@ -77,3 +77,13 @@ def test_nul_characters_are_text(client, tenant, backend):
         {"prompt": "a\u0000b", "raw": True, "max_tokens": 1}), content_type="application/json", **tenant.auth)
     assert response.status_code == 200, response.content
     assert response.json()["result"]["usage"]["prompt_tokens"] >= 3
+
+
+def test_integral_numbers_are_integers_as_the_schema_says(client, tenant, backend):
+    """JSON Schema's integer includes 1751.0; 1.5 is still refused."""
+    url = f"{tenant.run_url}@hearth/smollm2-135m-instruct"
+    ok = client.post(url, data=json.dumps({"prompt": "Hi", "raw": True, "max_tokens": 2.0}),
+                     content_type="application/json", **tenant.auth)
+    assert ok.status_code == 200 and ok.json()["result"]["usage"]["completion_tokens"] <= 2
+    _native_error(client.post(url, data=json.dumps({"prompt": "Hi", "max_tokens": 1.5}),
+                              content_type="application/json", **tenant.auth), "max_tokens")
