@@ -61,9 +61,11 @@ class Constraint:
             if kind is ConstraintKind.STRUCTURAL_TAG and not isinstance(value, dict):
                 raise InvalidRequestError("a structural tag must be a JSON object")
 
+    # Keys keep their order (no sort_keys): a schema's property order is the order the grammar makes the model
+    # write them in, and the order a prompt shows them.
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> Constraint:
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -83,7 +85,7 @@ class Constraint:
 
     @classmethod
     def structural_tag(cls, tag: dict[str, Any]) -> Constraint:
-        return cls(ConstraintKind.STRUCTURAL_TAG, json.dumps(tag, sort_keys=True, separators=(",", ":")))
+        return cls(ConstraintKind.STRUCTURAL_TAG, json.dumps(tag, separators=(",", ":")))
 
     @property
     def key(self) -> str:
