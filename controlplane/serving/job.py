@@ -20,6 +20,7 @@ from inference.compression import KVCompressionSettings
 from inference.constrained import Constraint
 from inference.errors import InvalidRequestError
 from inference.spec.settings import SpeculationSettings
+from inference.tools import ToolChoice, ToolSpec
 
 MAX_CHOICES = 8  # n per prompt
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -45,8 +46,8 @@ class Prompt:
 class Tools:
     """The functions a request offers and how the model may use them."""
 
-    specs: tuple[Any, ...]  # inference.tools.ToolSpec
-    choice: str  # "auto" | "required" | the one function's name
+    specs: tuple[ToolSpec, ...]
+    choice: ToolChoice  # auto, required, or one named function ("none" offers no tools at all)
     parallel: bool = True
 
 

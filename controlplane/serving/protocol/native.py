@@ -100,7 +100,7 @@ class NativeRun(Endpoint):
         if is_json_job(job):
             result["response"] = json_value(final.text, final)
         elif job.tools is not None:
-            content, calls = tool_glue.split(final.text)
+            content, calls = tool_glue.split(final.text, job.tools)
             result = {"response": content, "tool_calls": native_calls(calls)}
         result["usage"] = usage_json(run.usage())
         return result
@@ -115,7 +115,7 @@ class NativeRun(Endpoint):
         return envelope(self.embedding_result(result), messages=deprecation_messages(job.entry))
 
     async def events(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
-        parser = tool_glue.StreamParser() if gen.job.tools is not None else None
+        parser = tool_glue.StreamParser(gen.job.tools) if gen.job.tools is not None else None
         async for _choice, out in choice_outputs(gen):
             if parser is None:
                 if out.delta_text:

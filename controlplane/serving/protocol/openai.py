@@ -93,7 +93,7 @@ class ChatCompletions(Endpoint):
             message: dict[str, Any] = {"role": "assistant", "content": final.text}
             calls: list[dict[str, Any]] = []
             if job.tools is not None:
-                content, calls = tool_glue.split(final.text)
+                content, calls = tool_glue.split(final.text, job.tools)
                 message = {"role": "assistant", "content": content or None}
                 if calls:
                     message["tool_calls"] = calls
@@ -107,7 +107,8 @@ class ChatCompletions(Endpoint):
         job = gen.job
         completion_id = f"chatcmpl-{gen.request_id}"
         include_usage = bool(job.body.stream_options and job.body.stream_options.include_usage)
-        parsers = {c.index: tool_glue.StreamParser() for c in gen.run.choices} if job.tools is not None else {}
+        parsers = ({c.index: tool_glue.StreamParser(job.tools) for c in gen.run.choices}
+                   if job.tools is not None else {})
 
         def chunk(index: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None) -> bytes:
             data: dict[str, Any] = {
