@@ -67,6 +67,21 @@ def test_models_search_filters_and_pages(client, tenant, catalog):
     assert [m["name"] for m in found] == ([CHAT_MODEL] if BUNDLED_MODELS[CHAT_MODEL].installed else [])
 
 
+def test_models_say_whether_they_take_tools_and_json_mode(client, tenant, catalog):
+    listed = {m["id"]: m for m in client.get("/v1/models", **tenant.auth).json()["data"]}
+    assert (listed[CHAT_MODEL]["supports_tools"], listed[CHAT_MODEL]["supports_json_mode"]) == (True, True)
+    if EMBED_MODEL in listed:
+        assert (listed[EMBED_MODEL]["supports_tools"], listed[EMBED_MODEL]["supports_json_mode"]) == (False, False)
+    model = AiModel.objects.get(name=CHAT_MODEL)
+    model.properties = {**model.properties, "function_calling": False}
+    model.save()  # an operator's edit: the catalog cache follows at once
+    found = client.get(f"/client/v4/accounts/{tenant.account.pk}/ai/models/search", {"search": "smollm"},
+                       **tenant.auth).json()["result"]
+    props = [(p["property_id"], p["value"]) for p in found[0]["properties"]]
+    assert ("function_calling", "false") in props and ("json_mode", "true") in props
+    assert [k for k, _ in props].count("function_calling") == 1
+
+
 def test_listing_follows_catalog_edits_at_once(client, tenant, catalog):
     model = AiModel.objects.get(name=CHAT_MODEL)
     new = set_price(model, input_neurons=4242, cached_input_neurons=1000, output_neurons=9999)
