@@ -7,7 +7,9 @@ rate limits, and the request is metered like any other, billed to the account wi
 
     data: {"type": "start", "model", "request_id"}
     data: {"type": "token", "text"}                        one per engine output with text
-    data: {"type": "done", "usage", "latency_ms", "ttft_ms", "neurons", "cost_usd", "finish_reason", "speculation"}
+    data: {"type": "done", "usage", "latency_ms", "ttft_ms", "neurons", "cost_usd", "finish_reason", "speculation",
+           "parsed"}                                       parsed: the JSON value (json_schema), or the text
+                                                           and tool calls apart (tools); null otherwise
     data: {"type": "error", "message"}                     the engine failed mid-stream
 
 Anything refused before the stream starts is a 4xx JSON `{"error": {"message", "param", "code"}}`. A client
@@ -16,6 +18,7 @@ that leaves (the page's Stop button aborts the fetch) cancels the engine request
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -28,14 +31,16 @@ from pydantic import Field
 
 from controlplane.accounts.services import user_can_access
 from controlplane.api import errors
-from controlplane.api.body import StrictBody, parse
+from controlplane.api.body import Integer, StrictBody, parse
 from controlplane.api.errors import ApiError
 from controlplane.api.http import read_json, sse
 from controlplane.catalog.services import ModelEntry, PriceSnapshot
 from controlplane.serving import pipeline
 from controlplane.serving.job import Job, Prompt, sampling_params
+from controlplane.serving.protocol import tools as tool_glue
 from controlplane.serving.protocol.base import event_stream
-from controlplane.serving.protocol.native import DEFAULT_TEMPERATURE
+from controlplane.serving.protocol.common import check_tools, format_constraint, is_json_job, json_value
+from controlplane.serving.protocol.native import DEFAULT_TEMPERATURE, native_calls
 from controlplane.usage.services import charge
 from inference import FinishReason, RequestOutput
 
@@ -48,15 +53,26 @@ class PlaygroundRequest(StrictBody):
     model: str = Field(min_length=1)
     message: str = Field(max_length=MAX_TEXT_CHARS)
     system: str = Field("", max_length=MAX_TEXT_CHARS)
-    max_tokens: int | None = None
+    max_tokens: Integer | None = None
     temperature: float | None = None
+    json_schema: str = Field("", max_length=MAX_TEXT_CHARS, description="A JSON schema the reply must match.")
+    tools: str = Field("", max_length=MAX_TEXT_CHARS, description="A JSON list of functions the model may call.")
 
 
 def _parse(raw: dict[str, Any]) -> PlaygroundRequest:
     body = parse(PlaygroundRequest, raw)
     if not body.message.strip():
         raise errors.invalid("Write a message to send", "message")
+    if body.json_schema.strip() and body.tools.strip():
+        raise errors.invalid("Give a JSON schema or tools, not both", "tools")
     return body
+
+
+def _json_field(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise errors.invalid(f"{param} is not valid JSON: {exc}", param) from None
 
 
 def error_response(exc: ApiError) -> HttpResponse:
@@ -77,9 +93,29 @@ def _prompt(entry: ModelEntry, body: PlaygroundRequest) -> Prompt:
 
 
 def _job(entry: ModelEntry, body: PlaygroundRequest) -> Job:
+    constraint, tools = None, None
+    if body.json_schema.strip():
+        constraint = format_constraint("json_schema", _json_field(body.json_schema, "json_schema"), entry,
+                                       "json_schema")
+    if body.tools.strip():
+        listed = _json_field(body.tools, "tools")
+        if not isinstance(listed, list) or not listed:
+            raise errors.invalid("tools: a JSON list of functions ({name, description, parameters})", "tools")
+        tools = check_tools(listed, None, None, entry, None)
+        constraint = tool_glue.constraint(tools) if tools is not None else None
     return Job(entry=entry, route=ROUTE, body=body, prompts=(_prompt(entry, body),),
                params=sampling_params(body, temperature=DEFAULT_TEMPERATURE), max_tokens=body.max_tokens,
-               default_max_tokens=DEFAULT_MAX_TOKENS, stream=True)
+               default_max_tokens=DEFAULT_MAX_TOKENS, stream=True, constraint=constraint, tools=tools)
+
+
+def _parsed(job: Job, out: RequestOutput) -> dict[str, Any] | None:
+    """What the page shows under "Parsed": the JSON value, or the text and tool calls apart."""
+    if job.tools is not None:
+        content, calls = tool_glue.split(out.text, job.tools)
+        return {"content": content, "tool_calls": native_calls(calls)}
+    if is_json_job(job):
+        return {"json": json_value(out.text, out)}
+    return None
 
 
 def _charge(price: PriceSnapshot | None, out: RequestOutput) -> tuple[Decimal, Decimal]:
@@ -100,6 +136,7 @@ def _summary(gen: pipeline.Generation, out: RequestOutput) -> dict[str, Any]:
         "ttft_ms": round((gen.first_token_at - gen.started) * 1000, 1) if gen.first_token_at else None,
         "neurons": str(neurons), "cost_usd": str(cost),
         "speculation": {"proposed": spec.get("proposed", 0), "accepted": spec.get("accepted", 0)},
+        "parsed": _parsed(gen.job, out),
     }
 
 
@@ -126,7 +163,8 @@ async def _stream(adm: pipeline.Admission, started: float) -> HttpResponse:
 
 
 async def run(request: HttpRequest, account_id: str) -> HttpResponse:
-    """POST /dashboard/<account>/models/playground/ (JSON: model, message, system, max_tokens, temperature).
+    """POST /dashboard/<account>/models/playground/ (JSON: model, message, system, max_tokens, temperature,
+    json_schema, tools; the last two as JSON text).
 
     Session-authenticated and CSRF-checked by the dashboard's middleware; owners of the account and operators
     only, since it spends the account's money."""

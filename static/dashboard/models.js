@@ -64,6 +64,10 @@
     const spec = done.speculation;
     $("pg-spec").textContent = spec.proposed ? spec.accepted + " of " + spec.proposed + " draft tokens accepted" : "";
     stats.hidden = false;
+    if (done.parsed) {
+      $("pg-parsed").textContent = JSON.stringify(done.parsed, null, 2);
+      $("pg-parsed-section").hidden = false;
+    }
     setState("done", done.finish_reason === "length" ? "Done (stopped at max tokens)" : "Done");
   }
 
@@ -93,11 +97,13 @@
     reply.textContent = "";
     reply.hidden = false;
     stats.hidden = true;
+    $("pg-parsed-section").hidden = true;
     setState("waiting", "Waiting for the first token…");
     controller = new AbortController();
     const body = {
       model: model.value, system: $("pg-system").value, message: $("pg-message").value,
       max_tokens: number("pg-max-tokens"), temperature: number("pg-temperature"),
+      json_schema: $("pg-json-schema").value, tools: $("pg-tools").value,
     };
     try {
       const response = await fetch(form.dataset.url, {

@@ -305,6 +305,10 @@ def test_the_playground_refuses_without_csrf_sign_in_or_ownership(tenant, other_
     ({**CHAT, "message": "x" * 32_001}, 400, "message"),
     ("{oops", 400, "Malformed JSON body"),
     ("[1, 2]", 400, "must be a JSON object"),
+    ({**CHAT, "json_schema": "{nope"}, 400, "json_schema is not valid JSON"),
+    ({**CHAT, "tools": "{}"}, 400, "tools: a JSON list of functions"),
+    ({**CHAT, "tools": '[{"name": "bad name!"}]'}, 400, "tools"),
+    ({**CHAT, "json_schema": "{}", "tools": "[]"}, 400, "not both"),
 ])
 @pytest.mark.django_db
 def test_bad_playground_input_is_a_clear_4xx_and_not_metered(tenant, body, status, message):
@@ -397,6 +401,30 @@ def test_the_playground_streams_real_tokens_and_meters_them_like_the_api(live_ow
     assert api.json()["choices"][0]["message"]["content"] == "".join(tokens)
     assert api.json()["usage"]["completion_tokens"] == event.output_tokens  # metered alike
     # The API request's own event is written after its response; the test's teardown must not race it.
+    wait_for_event(count=2)
+
+
+@pytest.mark.real_model
+@pytest.mark.django_db(transaction=True)
+def test_the_playground_sends_a_schema_or_tools_and_shows_the_parsed_result(live_owner):
+    session, tenant, token = live_owner
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                               "why": {"type": "string", "maxLength": 30}},
+              "required": ["colour", "why"]}
+    events = stream(session, tenant, token, {"model": CHAT_MODEL, "message": "Pick a colour.", "max_tokens": 60,
+                                             "temperature": 0, "json_schema": json.dumps(schema)})
+    done = events[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "stop"
+    assert set(done["parsed"]["json"]) == {"colour", "why"} and done["parsed"]["json"]["colour"] in schema[
+        "properties"]["colour"]["enum"]
+    tools = [{"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}]
+    events = stream(session, tenant, token, {"model": CHAT_MODEL, "message": "Weather in Oslo?", "max_tokens": 60,
+                                             "temperature": 0, "tools": json.dumps(tools)})
+    parsed = events[-1]["parsed"]
+    assert set(parsed) == {"content", "tool_calls"}
+    for call in parsed["tool_calls"]:  # auto: words or a call, and any call is valid
+        assert call["name"] == "get_weather" and isinstance(call["arguments"]["city"], str)
     wait_for_event(count=2)
 
 
