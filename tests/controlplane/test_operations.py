@@ -126,11 +126,16 @@ def test_engine_errors_map_to_workers_ai_codes(exc, status, code):
 def test_check_deploy_passes_with_production_environment(tmp_path):
     env = {**os.environ, "SECRET_KEY": secrets.token_urlsafe(60), "DEBUG": "0", "ALLOWED_HOSTS": "api.example.com",
            "DATABASE_URL": "postgres://postgres@127.0.0.1:5432/hearth", "REDIS_URL": "redis://127.0.0.1:6379/0",
-           "HEARTH_DATA_DIR": str(tmp_path)}
+           "HEARTH_DATA_DIR": str(tmp_path), "HEARTH_METRICS_TOKEN": secrets.token_urlsafe(24)}
     result = subprocess.run([sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
+    # Without a metrics token the open /metrics is the one warning.
+    open_metrics = subprocess.run([sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+                                  cwd=REPO, env={k: v for k, v in env.items() if k != "HEARTH_METRICS_TOKEN"},
+                                  capture_output=True, text=True, timeout=120)
+    assert open_metrics.returncode != 0 and "hearth.W001" in open_metrics.stdout + open_metrics.stderr
     settings_dump = subprocess.run(
         [sys.executable, "-c", "import django, os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', "
          "'controlplane.settings'); django.setup(); from django.conf import settings as s; "
