@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
 
-    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora] [--quick]
+    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora|constrained] [--quick]
 
 Each benchmark runs in its own process so one's memory and threads never colour another's figures.
 """
@@ -22,6 +22,7 @@ SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative 
             "api": "Control plane API", "batch": "Batches: interactive latency and batch throughput",
             "kv": "KV-cache compression (CPU)", "dashboard": "Dashboard pages with 1,000,000 usage events",
             "lora": "LoRA adapters: many in one batch (CPU)",
+            "constrained": "Grammar-constrained decoding (CPU)",
             "kernels": "Triton kernels against their torch references (CUDA)"}
 
 

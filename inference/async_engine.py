@@ -2,6 +2,10 @@
 
 Only the loop thread touches the engine's state: callers post commands into an inbox and receive outputs
 through per-request sinks (an asyncio queue fed with call_soon_threadsafe, or a plain queue).
+
+A request's grammar is compiled before it reaches the inbox, never on the loop thread (a compile takes from a
+millisecond to seconds, and every running request would wait for it) nor on the event loop: `stream` and
+`generate` compile in a worker thread, `submit` in its caller's thread; a cached grammar costs nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from xgrammar import CompiledGrammar
+
 from inference.config import EngineConfig
+from inference.constrained.constraint import Constraint
 from inference.engine import EngineMetrics, LLMEngine
 from inference.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from inference.outputs import RequestOutput
@@ -61,11 +68,24 @@ class AsyncEngine:
     def encode(self, prompt: str | None = None, messages: list | None = None, raw: bool = False,
                tools: list | None = None) -> list[int]:
         with self._tokenizer_lock:
-            return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw,
-                                 **({"tools": tools} if tools else {}))  # TEMP until prompts take tools
+            return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
-    def submit(self, request: GenerationRequest, sink: Sink) -> None:
-        """Queue a request; sink receives every RequestOutput (or an exception) on the loop thread."""
+    async def compile_constraint(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile (or find cached) a constraint's grammar in a worker thread; InvalidRequestError names what is
+        wrong with it. Callers that build requests ahead (the control plane) refuse bad ones here."""
+        cached = self.engine.constrained.grammars.lookup(constraint)
+        if cached is not None:
+            return cached
+        return await asyncio.to_thread(self.engine.compile_constraint, constraint)
+
+    async def _compiled(self, request: GenerationRequest) -> CompiledGrammar | None:
+        return None if request.constraint is None else await self.compile_constraint(request.constraint)
+
+    def submit(self, request: GenerationRequest, sink: Sink, grammar: CompiledGrammar | None = None) -> None:
+        """Queue a request; sink receives every RequestOutput (or an exception) on the loop thread.
+
+        A constraint not yet compiled is compiled here, in the caller's thread (from an event loop, await
+        `compile_constraint` first, or use `stream`/`generate`). grammar: the constraint's compiled form."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if self._stopped:
@@ -73,18 +93,21 @@ class AsyncEngine:
         self.engine.validate(request)
         if self._metrics.queue_depth + self._pending >= self.engine.config.max_queue:
             raise EngineOverloadedError("the engine's queue is full; retry later")
+        if request.constraint is not None and grammar is None:
+            grammar = self.engine.compile_constraint(request.constraint)
         with self._submit_lock:
             self._pending += 1
             if request.priority is Priority.INTERACTIVE:
                 self._interactive_in += 1
-        self._inbox.put(("add", request, sink))
+        self._inbox.put(("add", (request, grammar), sink))
         self._wakeup.set()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Outputs as they are produced. Leaving the loop early (or cancelling) aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.submit(request, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        grammar = await self._compiled(request)
+        self.submit(request, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item), grammar)
         finished = False
         try:
             while True:
@@ -117,7 +140,7 @@ class AsyncEngine:
             if isinstance(item, BaseException) or item.finished:
                 loop.call_soon_threadsafe(settle, item)
 
-        self.submit(request, sink)
+        self.submit(request, sink, await self._compiled(request))
         try:
             return await done
         finally:
@@ -180,16 +203,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                request, grammar = payload
                 with self._submit_lock:
                     self._pending -= 1
-                if payload.priority is Priority.INTERACTIVE:
+                if request.priority is Priority.INTERACTIVE:
                     self._interactive_taken += 1
                 try:
-                    self.engine.add_request(payload)
+                    self.engine.add_request(request, grammar)
                 except InvalidRequestError as exc:
                     self._deliver(sink, exc)
                     continue
-                self._sinks[payload.request_id] = sink
+                self._sinks[request.request_id] = sink
             elif mid_step:
                 self._deferred_aborts.append(payload)
             else:

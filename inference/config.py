@@ -90,11 +90,14 @@ class EngineConfig:
     enable_lora: bool = True  # serve requests that name a LoRA adapter
     max_loras: int = 8  # adapters resident at once (slots); more wait or are swapped in LRU
     max_lora_rank: int = 32  # the largest rank an adapter may have (slots are sized for it)
+    grammar_cache_memory: int | str = "256MiB"  # compiled grammars kept (LRU by content) for constrained requests
+    grammar_jump_forward: bool = True  # draft a grammar's forced continuation (keys, punctuation) for verification
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.grammar_cache_memory = parse_bytes(self.grammar_cache_memory)
         checks = {
             "kv_cache_memory": self.kv_cache_memory >= 1,
             "block_size": self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -103,6 +106,7 @@ class EngineConfig:
             "max_queue": self.max_queue >= 1,
             "max_loras": self.max_loras >= 1,
             "max_lora_rank": 1 <= self.max_lora_rank <= 256,
+            "grammar_cache_memory": self.grammar_cache_memory >= 1,
         }
         for name, ok in checks.items():
             if not ok:

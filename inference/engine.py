@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from xgrammar import CompiledGrammar
 
 from inference.block_manager import BlockManager
 from inference.compression import CompressionConfig, KVCompressor, ScoreSpread
 from inference.config import EngineConfig
+from inference.constrained.constraint import Constraint
+from inference.constrained.decoding import ConstrainedDecoding
+from inference.constrained.state import GrammarStep
 from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from inference.errors import InvalidRequestError, PromptTooLongError
 from inference.kv_cache import KVLayout, KVPool
@@ -66,6 +70,11 @@ class EngineMetrics:
     lora_disk_loads_total: int = 0
     lora_slot_loads_total: int = 0
     lora_disk_load_ms_avg: float = 0.0
+    grammar_compiles_total: int = 0  # constraints compiled (cache misses), and served from the cache
+    grammar_cache_hits_total: int = 0
+    grammar_compile_ms_avg: float = 0.0
+    jump_forward_proposed: int = 0  # grammar-forced draft tokens, and how many verification kept
+    jump_forward_accepted: int = 0
 
 
 class FrontEnd(Protocol):
@@ -110,6 +119,9 @@ class LLMEngine:
             spread=ScoreSpread(self.config.kv_spread_before, self.config.kv_spread_after,
                                self.config.kv_spread_skip_prefix)), self.pool, self.blocks)
         self.sampler = Sampler()
+        self.constrained = ConstrainedDecoding(self.tokenizer, self.model.vocab_size, self.info.eos_token_ids,
+                                               cache_memory=int(self.config.grammar_cache_memory),
+                                               jump_forward=self.config.grammar_jump_forward)
         self.max_model_len = min(self.config.max_model_len or self.info.context_window,
                                  self.info.context_window)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter(min_n=ENGINE_MIN_N)}
@@ -173,11 +185,21 @@ class LLMEngine:
             raise InvalidRequestError(f"speculation {spec.mode.value!r} is not available on this model")
         if request.lora is not None and self.lora is None:
             raise InvalidRequestError("this engine does not serve LoRA adapters")
+        if request.constraint is not None and request.forced_output is not None:
+            raise InvalidRequestError("forced_output cannot be combined with a constraint")
 
-    def add_request(self, request: GenerationRequest) -> Sequence:
+    def compile_constraint(self, constraint: Constraint) -> CompiledGrammar:
+        """The constraint's compiled grammar, from the cache or compiled now in this thread (InvalidRequestError
+        names what is wrong with it). AsyncEngine calls this off its loop thread."""
+        return self.constrained.grammars.compile(constraint)
+
+    def add_request(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> Sequence:
+        """grammar: the request's constraint already compiled (AsyncEngine compiles before the loop sees it)."""
         if request.request_id in self._sequences:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.validate(request)
+        if request.constraint is not None and grammar is None:
+            grammar = self.compile_constraint(request.constraint)  # a bad one fails here, before it is queued
         params = request.params
         seq = Sequence(
             request=request,
@@ -190,6 +212,8 @@ class LLMEngine:
         if request.lora is not None:
             assert self.lora is not None
             seq.lora = self.lora.prepare(request.lora)  # a bad adapter fails here, before it is queued
+        if grammar is not None:
+            seq.grammar = self.constrained.start(grammar)
         settings = self.compressor.settings_for(request.kv_compression)
         if settings is not None and seq.prompt_len >= self.compressor.config.min_prompt_tokens:
             # Entries per head never exceed the tokens the sequence can hold, drafts included.
@@ -215,7 +239,9 @@ class LLMEngine:
         """Draft, schedule, run the model once, verify or sample, and report what each request produced."""
         outputs, self._finished_outputs = self._finished_outputs, []
         decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.next_forced is None]
-        self.spec.propose(decoding, self.token_limit, load=self.scheduler.num_unfinished)
+        self.constrained.propose_jumps(decoding, self.token_limit)  # a grammar's forced text drafts first
+        self.spec.propose([s for s in decoding if not s.draft], self.token_limit, load=self.scheduler.num_unfinished)
+        self.constrained.check_drafts(decoding)  # no pass on draft tokens the grammar refuses
         plan = self.scheduler.schedule()
         self._preemptions_total += len(plan.preempted)
         if not plan:
@@ -253,6 +279,7 @@ class LLMEngine:
 
     def _sample_and_append(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                            outputs: list[RequestOutput]) -> None:
+        self.constrained.mask(chunks, logits)  # constrained rows only: free ones are untouched
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
         for chunk in chunks:
@@ -278,7 +305,9 @@ class LLMEngine:
             for chunk, result in zip(spec, verified, strict=True):
                 rejected = chunk.num_draft - result.accepted
                 chunk.seq.blocks.lens -= rejected  # roll back the rejected drafts' KV entries
-                chunk.seq.draft, chunk.seq.draft_probs = [], None
+                if chunk.seq.draft_forced:
+                    self.constrained.record_jump(chunk.seq, result.proposed, result.accepted)
+                chunk.seq.draft, chunk.seq.draft_probs, chunk.seq.draft_forced = [], None, False
                 self._computed(chunk.seq, chunk.num_tokens - rejected)
                 outputs.append(self._append_tokens(chunk.seq, result.tokens))
 
@@ -354,11 +383,15 @@ class LLMEngine:
             seq.logprobs.append(self._logprob(token_id, token))
 
         finish: FinishReason | None = None
-        if (not params.ignore_eos and token_id in self.info.eos_token_ids) or token_id in params.stop_token_ids:
+        grammar = seq.grammar.advance(token_id) if seq.grammar is not None else GrammarStep.OPEN
+        if (not params.ignore_eos and token_id in self.info.eos_token_ids) or token_id in params.stop_token_ids \
+                or grammar is GrammarStep.STOP_TOKEN:
             finish = FinishReason.STOP
             piece = ""
         else:
             piece = seq.detokenizer.push(token_id)
+            if grammar is GrammarStep.COMPLETE:
+                finish = FinishReason.STOP
         emit, stopped = seq.stop_matcher.feed(piece)
         if stopped:
             finish = FinishReason.STOP
@@ -421,6 +454,7 @@ class LLMEngine:
             all_logprobs=all_logprobs,
             speculation=seq.spec_stats.as_dict() if seq.spec_stats.proposed else None,
             kv_compression=self._compression_report(seq),
+            constrained=self.constrained.report(seq),
             error=seq.error,
         )
 
@@ -501,6 +535,7 @@ class LLMEngine:
             kv_freed_blocks_total=self.compressor.stats.freed_blocks,
             mid_step_admissions_total=self._mid_step_admissions_total,
             **self._lora_metrics(),
+            **self.constrained.metrics(),
         )
 
     def _lora_metrics(self) -> dict:

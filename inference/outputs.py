@@ -7,7 +7,7 @@ from enum import StrEnum
 
 
 class FinishReason(StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
+    STOP = "stop"  # EOS, a stop token id, a stop string, or the end of the request's grammar
     LENGTH = "length"  # max_tokens reached (or the context window filled)
     ABORT = "abort"  # aborted by the caller
     ERROR = "error"  # this request failed inside the engine; the others go on
@@ -76,3 +76,4 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is ERROR
     speculation: dict | None = None  # proposed / accepted / acceptance_rate / ... when the request speculated
     kv_compression: dict | None = None  # target, compressions, evicted entries, cached vs uncompressed entries
+    constrained: dict | None = None  # jump-forward tokens proposed / accepted, when the request has a constraint

@@ -21,7 +21,10 @@ and top_p exactly the minimal nucleus. Masking probabilities rather than writing
 every pass over the [B, V] block on PyTorch's vectorised CPU kernels (masked_fill and where are not).
 
 Reported logprobs are the log-softmax of the penalised logits, before temperature and filtering, so they
-describe the model's distribution (with penalties) rather than the truncated sampling one.
+describe the model's distribution (with penalties) rather than the truncated sampling one. A constrained
+request's logits arrive with the grammar's mask already applied (-inf where a token is not allowed), so its
+logprobs are over the allowed tokens, and its top alternatives list only tokens that may be chosen (fewer than
+asked when the grammar allows fewer).
 
 Randomness: each sampled row draws exactly one uniform number per step from its own generator (a CPU
 ``torch.Generator``, seeded from ``SamplingParams.seed`` when set) and picks its token by inverting the
@@ -32,6 +35,7 @@ which other rows share the batch or where it sits in it; and the batch costs B r
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -170,7 +174,9 @@ class Sampler:
         for k, i in enumerate(logprob_rows):
             n = rows[i].params.logprobs or 0
             out[i].logprob = chosen_lp[k]
-            out[i].top = list(zip(top_ids[k][:n], top_lps[k][:n], strict=True)) if n else []
+            # A masked token (-inf) is no alternative, and -inf has no JSON form for the API to send.
+            out[i].top = [(t, v) for t, v in zip(top_ids[k][:n], top_lps[k][:n], strict=True)
+                          if v != -math.inf] if n else []
 
     @torch.no_grad()
     def probabilities(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

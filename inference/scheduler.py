@@ -104,6 +104,8 @@ class Scheduler:
             want = _prompt_chunk(seq, budget) if seq.num_uncomputed > 1 else min(1 + len(seq.draft), budget)
             if want < seq.num_uncomputed + len(seq.draft):  # the budget cuts the draft short
                 seq.draft = seq.draft[: max(0, want - seq.num_uncomputed)]
+                if seq.draft_probs is not None:  # one row per draft token, always
+                    seq.draft_probs = seq.draft_probs[: len(seq.draft)] if seq.draft else None
             while not self.blocks.allocate(seq.blocks, want):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -214,7 +216,7 @@ class Scheduler:
         self.blocks.free(seq.blocks)
         self._unpin(seq)
         seq.num_computed = 0
-        seq.draft, seq.draft_probs = [], None
+        seq.draft, seq.draft_probs, seq.draft_forced = [], None, False  # the grammar state stays: tokens were kept
         seq.metrics.preemptions += 1
         out.preempted.append(seq)
         self.add(seq)

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from inference.lora.slots import HostAdapter, LoRARequest
 from inference.outputs import FinishReason, RequestMetrics
 from inference.sampling_params import SamplingParams
 from inference.spec.settings import SpecStats, SpeculationSettings
+
+if TYPE_CHECKING:
+    from inference.constrained.state import GrammarState
 
 
 class Priority(IntEnum):
@@ -103,10 +107,14 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when requested
     draft: list[int] = field(default_factory=list)  # proposed tokens to verify this step
     draft_probs: torch.Tensor | None = None  # the drafter's distribution per draft token (None: deterministic)
+    # The draft is the grammar's only continuation (jump-forward), not a drafter's guess: verified like any
+    # draft, counted apart from speculation (it neither feeds nor pauses the drafter's adaptive control).
+    draft_forced: bool = False
     spec_stats: SpecStats = field(default_factory=SpecStats)
     compression: CompressionState | None = None  # KV compression target and scores, when on
     lora: HostAdapter | None = None  # the adapter's checked weights, when the request names one
     lora_slot: int | None = None  # the adapter slot pinned while the sequence runs
+    grammar: GrammarState | None = None  # the constraint's matcher over the accepted output, when constrained
     order: int = field(default_factory=lambda: next(_arrival_counter))
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 

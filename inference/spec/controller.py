@@ -146,7 +146,8 @@ class SpecController:
             span = slice(starts[n], starts[n] + len(tokens))
             scored = self.sampler.score(logits[span], rows[span], tokens)
             results.append(Verified(scored, proposed=len(seq.draft), accepted=accepted))
-            self._observe(seq, len(seq.draft), accepted)
+            if not seq.draft_forced:  # a grammar's jump-forward is no drafter's guess: its counts are kept apart
+                self._observe(seq, len(seq.draft), accepted)
         return results
 
     @staticmethod
@@ -202,7 +203,7 @@ class SpecController:
 
     def release(self, seq: Sequence) -> None:
         self._state.pop(seq.request_id, None)
-        seq.draft, seq.draft_probs = [], None
+        seq.draft, seq.draft_probs, seq.draft_forced = [], None, False
         for drafter in self.drafters.values():
             drafter.release(seq.request_id)
 
