@@ -14,7 +14,9 @@ from contextlib import aclosing
 from typing import Any, ClassVar
 
 from django.http import HttpResponse, StreamingHttpResponse
+from pydantic import BaseModel
 
+from controlplane.api.body import parse
 from controlplane.api.http import ResponseWithAfterClose, dumps
 from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
@@ -53,9 +55,11 @@ class Endpoint(ABC):
             return None
         return self.job(raw or {}, entry)
 
-    @abstractmethod
+    schema: ClassVar[type[BaseModel] | None]  # the request body; None where the model decides (native run)
+
     def shape(self, raw: dict[str, Any]) -> Any:
         """The body checked against the schema alone (no model known yet)."""
+        return parse(self.schema, raw) if self.schema is not None else None
 
     @abstractmethod
     def render(self, job: Job, run: Run, finals: list[RequestOutput], created: int) -> dict[str, Any]:

@@ -58,8 +58,7 @@ class NativeRun(Endpoint):
     style = "native"
     task = None
 
-    def shape(self, raw: dict[str, Any]) -> Any:
-        return None  # the schema depends on the model's task
+    schema = None  # it depends on the model's task
 
     def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
         if entry.is_embedding:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from controlplane.api import errors
-from controlplane.api.body import parse
 from controlplane.api.http import SSE_DONE, sse
 from controlplane.catalog.models import Task
 from controlplane.catalog.services import ModelEntry
@@ -67,8 +66,7 @@ class ChatCompletions(Endpoint):
     style = "openai"
     task = Task.TEXT_GENERATION
 
-    def shape(self, raw: dict[str, Any]) -> ChatCompletionRequest:
-        return parse(ChatCompletionRequest, raw)
+    schema = ChatCompletionRequest
 
     def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
         body = self.shape(raw)
@@ -157,8 +155,7 @@ class Completions(Endpoint):
     style = "openai"
     task = Task.TEXT_GENERATION
 
-    def shape(self, raw: dict[str, Any]) -> CompletionRequest:
-        return parse(CompletionRequest, raw)
+    schema = CompletionRequest
 
     def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
         body = self.shape(raw)
@@ -240,8 +237,7 @@ class Embeddings(Endpoint):
     style = "openai"
     task = Task.TEXT_EMBEDDINGS
 
-    def shape(self, raw: dict[str, Any]) -> EmbeddingRequest:
-        return parse(EmbeddingRequest, raw)
+    schema = EmbeddingRequest
 
     def job(self, raw: dict[str, Any], entry: ModelEntry, *, batch: bool = False) -> Job:
         body = self.shape(raw)
