@@ -151,3 +151,21 @@ def test_read_only_key_cannot_submit_but_can_poll(client, catalog):
     response = post(client, reader, CHAT_MODEL, {"requests": [{"prompt": "hi"}]})
     assert response.status_code == 403
     assert post(client, reader, CHAT_MODEL, {"request_id": "batch_x"}, query="").status_code == 404
+
+
+def test_queue_request_items_take_json_mode_and_tools(client, tenant, batch_worker):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+              "required": ["colour"]}
+    tools = [{"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}]
+    queued = post(client, tenant, CHAT_MODEL, {"requests": [
+        {"messages": [{"role": "user", "content": "Pick a colour."}], "max_tokens": 30, "temperature": 0,
+         "response_format": {"type": "json_schema", "json_schema": schema}},
+        {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 60, "temperature": 0,
+         "tools": tools}]})
+    assert queued.status_code == 200, queued.content
+    responses = poll_until_done(client, tenant, CHAT_MODEL, queued.json()["result"]["request_id"])["responses"]
+    assert responses[0]["success"] and responses[0]["result"]["response"]["colour"] in ("red", "green", "blue")
+    assert responses[1]["success"] and isinstance(responses[1]["result"]["tool_calls"], list)
+    for call in responses[1]["result"]["tool_calls"]:
+        assert call["name"] == "get_weather" and isinstance(call["arguments"], dict)

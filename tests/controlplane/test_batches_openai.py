@@ -244,3 +244,30 @@ def test_account_past_its_free_allocation_cannot_start_batches(client, tenant):
                          data=json.dumps({"requests": [{"prompt": "hi"}]}), **tenant.auth)
     assert native.status_code == 429 and native.json()["errors"][0]["code"] == 3036
     assert not Batch.objects.exists()
+
+
+def test_batch_lines_take_response_format_tools_and_n(client, tenant, batch_worker):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+              "required": ["colour"]}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    content = jsonl(
+        chat_line("json", "Pick a colour.", 30, n=2,
+                  response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}),
+        chat_line("tool", "What is the weather in Oslo?", 60, tools=[weather], tool_choice="required",
+                  parallel_tool_calls=False),
+        chat_line("bad", "Hi", 5, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}))
+    batch = create(client, tenant, upload(client, tenant, content).json()["id"]).json()
+    done = wait_for(client, tenant, batch["id"])
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    lines = {line["custom_id"]: line for line in content_lines(client, tenant, done["output_file_id"])}
+    picked = lines["json"]["response"]["body"]
+    assert len(picked["choices"]) == 2
+    assert all(json.loads(c["message"]["content"])["colour"] in ("red", "green", "blue") for c in picked["choices"])
+    message = lines["tool"]["response"]["body"]["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    call = message["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+    [error] = content_lines(client, tenant, done["error_file_id"])
+    assert error["custom_id"] == "bad" and "schema" in json.dumps(error["response"]["body"]).lower()
