@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from django.http import HttpResponse, StreamingHttpResponse
 from pydantic import BaseModel
 
+from controlplane.api import errors
 from controlplane.api.body import parse
 from controlplane.api.http import ResponseWithAfterClose, dumps
 from controlplane.catalog.services import ModelEntry
@@ -66,7 +67,9 @@ class Endpoint(ABC):
         """The whole response of a finished generation job."""
 
     def render_embeddings(self, job: Job, result: EmbeddingResult) -> dict[str, Any]:
-        raise NotImplementedError(f"{self.path} does not embed")
+        """The response of an embedding job; a route that only generates refuses one (admission's task check
+        keeps such jobs away, so this is the answer if that ever changes, not a path in use)."""
+        raise errors.invalid(f"{job.model} is an embedding model and cannot serve this route", "model")
 
     @abstractmethod
     def events(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:

@@ -257,11 +257,13 @@ class Embeddings(Endpoint):
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
 
+    # This route only embeds: admission's task check keeps generation jobs away, and these answer if it ever
+    # lets one through.
     def render(self, job: Job, run: Run, finals: list[RequestOutput], created: int) -> dict[str, Any]:
-        raise NotImplementedError("embeddings are rendered by render_embeddings")
+        raise errors.invalid(f"{job.model} generates text and cannot serve the embeddings route", "model")
 
     def events(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
-        raise NotImplementedError("embeddings do not stream")
+        raise errors.invalid("The embeddings route does not stream", "stream")
 
 
 CHAT = ChatCompletions()
