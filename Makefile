@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HEARTH_DATA_DIR ?= $(CURDIR)/.data
 
-.PHONY: install models models-extra run test test-full bench lint clean
+.PHONY: install models models-extra run cluster test test-full bench lint clean
 
 $(VENV)/.installed: pyproject.toml requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,15 @@ run: models
 	$(PY) manage.py seed_catalog
 	$(PY) manage.py bootstrap_demo
 	HEARTH_ENGINE=inprocess $(PY) -m uvicorn controlplane.asgi:application --host $(HOST) --port $(PORT)
+
+# The fleet on one machine: a local Ray head, REPLICAS engine replicas per model behind Hearth's router, and
+# the control plane on them (HEARTH_ENGINE=ray). Ctrl-C or SIGTERM stops everything, Ray included.
+REPLICAS ?= 2
+cluster: models
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py seed_catalog
+	$(PY) manage.py bootstrap_demo
+	REPLICAS=$(REPLICAS) HOST=$(HOST) PORT=$(PORT) $(PY) manage.py cluster
 
 test: models
 	bash .ci/test-suite

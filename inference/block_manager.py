@@ -32,6 +32,17 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], extra_keys: tuple) -
     return h.digest()
 
 
+def prefix_chain(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[bytes]:
+    """The prefix-cache keys of every full block of token_ids, in order: what `match_prefix` looks up. A fleet
+    router computes the same chain to find the replica already holding a prompt's longest prefix."""
+    keys: list[bytes] = []
+    parent: bytes | None = None
+    for column in range(len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[column * block_size: (column + 1) * block_size], extra_keys)
+        keys.append(parent)
+    return keys
+
+
 @dataclass(slots=True)
 class CachedGroup:
     blocks: np.ndarray  # [layers * kv_heads] physical block ids
@@ -338,6 +349,17 @@ class BlockManager:
                 continue
             self._groups[key] = CachedGroup(blocks=seq.table[:, :, column].reshape(-1).copy(), ref_count=1)
             seq.shared[column] = key
+
+    def cached_keys(self, limit: int) -> list[bytes]:
+        """The keys of at most `limit` cached groups, newest first. Safe from another thread: a snapshot of the
+        dict's keys is one C-level copy, and a resize racing it only costs a retry."""
+        for _ in range(3):
+            try:
+                keys = list(self._groups)
+            except RuntimeError:  # changed size during the copy
+                continue
+            return keys[::-1][:limit]
+        return []
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block; returns how many groups were dropped."""

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from inference.compression.settings import KVCompressionSettings
 from inference.errors import InvalidRequestError
 
+log = logging.getLogger("inference")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -149,3 +153,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return default_dtype(self.resolved_device().type)
         return DTYPES[self.dtype]
+
+    @classmethod
+    def from_settings(cls, engine_settings: Mapping[str, Any]) -> EngineConfig:
+        """From a catalog entry's engine settings: keys the engine does not know are logged and skipped (the
+        catalog also carries settings for the fleet and the control plane)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(engine_settings) - known - {"fleet"})
+        if unknown:
+            log.warning("ignoring unknown engine settings %s", unknown)
+        return cls(**{k: v for k, v in engine_settings.items() if k in known})

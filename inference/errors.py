@@ -29,3 +29,8 @@ class EngineOverloadedError(EngineError):
 class EngineDeadError(EngineError):
     """The engine loop stopped after an internal failure; no further requests are served."""
 
+
+
+class EngineLostError(EngineDeadError):
+    """The engine serving a request went away mid-request (a fleet replica died and is being replaced): the
+    request may be sent again, and lands on a live engine."""

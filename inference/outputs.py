@@ -77,3 +77,4 @@ class RequestOutput:
     speculation: dict | None = None  # proposed / accepted / acceptance_rate / ... when the request speculated
     kv_compression: dict | None = None  # target, compressions, evicted entries, cached vs uncompressed entries
     constrained: dict | None = None  # jump-forward tokens proposed / accepted, when the request has a constraint
+    replica: str | None = None  # which engine replica produced it, when a fleet serves the model

@@ -201,3 +201,11 @@ def _written_out(messages: list[dict[str, Any]], specs: Sequence[ToolSpec]) -> l
         else:
             out.insert(0, {"role": "system", "content": instructions})
     return out
+
+
+def prompt_char_limit(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """Characters past which no prompt fits the context: the context length times the longest token's text
+    (every token stands for at least one character of the prompt, and at most this many). Lets a server
+    refuse a huge prompt before spending seconds tokenising it."""
+    longest = max((len(tokenizer.convert_tokens_to_string([t])) for t in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 1)

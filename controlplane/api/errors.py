@@ -16,6 +16,7 @@ from django.http import HttpResponse
 from inference.errors import (
     EngineDeadError,
     EngineError,
+    EngineLostError,
     EngineOverloadedError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -191,6 +192,10 @@ def from_engine(exc: EngineError, model: str) -> ApiError:
         return unknown_model(model)
     if isinstance(exc, EngineOverloadedError):
         return out_of_capacity()
+    if isinstance(exc, EngineLostError):
+        error = unavailable(f"The replica serving {model} went away during the request; retry it")
+        error.headers.update(retry_headers(1.0))
+        return error
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine for {model} stopped; an operator must restart it")
     return internal()

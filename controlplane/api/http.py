@@ -19,7 +19,8 @@ from controlplane.api.errors import ApiError
 
 log = logging.getLogger("controlplane.api")
 
-AFFINITY_HEADER = "x-session-affinity"  # an opaque session id a client sends; recorded with the usage
+AFFINITY_HEADER = "x-session-affinity"  # an opaque session id a client sends: a fleet keeps it on one replica
+REPLICA_HEADER = "x-hearth-replica"  # which fleet replica served the answer
 
 
 def ascii_int(text: str | None) -> int | None:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from django.conf import settings
@@ -25,6 +25,7 @@ from inference.constrained import Constraint
 from inference.engine import EngineMetrics
 from inference.errors import PromptTooLongError
 from inference.models.bert import Embedder
+from inference.prompts import prompt_char_limit
 
 log = logging.getLogger("controlplane.serving")
 
@@ -96,9 +97,11 @@ class Backend(Protocol):
         """Compile the grammar where the model runs (cached by content); InvalidRequestError names what is
         wrong with it."""
 
-    def stream(self, model: str, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+    def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come. `session` (the x-session-affinity header) lets a fleet keep a
+        conversation on the replica holding its KV cache."""
 
-    async def generate(self, model: str, request: GenerationRequest) -> RequestOutput: ...
+    async def generate(self, model: str, request: GenerationRequest, session: str = "") -> RequestOutput: ...
 
     async def embed(self, model: str, texts: list[str]) -> EmbeddingResult: ...
 
@@ -110,15 +113,7 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
-def _engine_config(engine_settings: Mapping[str, Any]) -> EngineConfig:
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(engine_settings) - known)
-    if unknown:
-        log.warning("ignoring unknown engine settings %s", unknown)
-    return EngineConfig(**{k: v for k, v in engine_settings.items() if k in known})
-
-
-def _catalog_settings(model: str) -> Mapping[str, Any]:
+def catalog_settings(model: str) -> Mapping[str, Any]:
     from django.db import connection
 
     from controlplane.catalog.services import get_model
@@ -139,14 +134,6 @@ def _catalog_settings(model: str) -> Mapping[str, Any]:
     return chosen
 
 
-def _char_limit(engine: AsyncEngine) -> int:
-    """Characters past which no prompt fits the context: the context length times the longest token's text
-    (every token stands for at least one character of the prompt, and at most this many)."""
-    tokenizer = engine.tokenizer
-    longest = max((len(tokenizer.convert_tokens_to_string([t])) for t in tokenizer.get_vocab()), default=1)
-    return engine.engine.max_model_len * max(longest, 1)
-
-
 def _message_chars(message: Any) -> int:
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, str):
@@ -156,10 +143,19 @@ def _message_chars(message: Any) -> int:
     return 0
 
 
+def check_prompt_chars(prompt: str | None, messages: list[Any] | None, limit: int, window: int) -> None:
+    """Refuse a prompt too long to fit the context whatever its tokens, before spending seconds tokenising it."""
+    chars = len(prompt or "") + sum(_message_chars(m) for m in messages or ())
+    if chars > limit:
+        # prompt_tokens: a lower bound (a token stands for at most limit / window characters).
+        raise PromptTooLongError(f"the prompt is {chars:,} characters, more than a context of {window:,} "
+                                 "tokens can hold", prompt_tokens=chars * window // limit, limit=window)
+
+
 class InProcessBackend:
     """Engines in this process, loaded on first use (loading happens in a worker thread, off the event loop)."""
 
-    def __init__(self, settings_for: Callable[[str], Mapping[str, Any]] = _catalog_settings) -> None:
+    def __init__(self, settings_for: Callable[[str], Mapping[str, Any]] = catalog_settings) -> None:
         self._settings_for = settings_for
         self._engines: dict[str, AsyncEngine] = {}
         self._embedders: dict[str, Embedder] = {}
@@ -177,7 +173,7 @@ class InProcessBackend:
                 if engine is not None:
                     log.error("engine for %s died; loading a fresh one", model)
                 log.info("loading engine for %s", model)
-                engine = AsyncEngine.from_model(model, _engine_config(self._settings_for(model)))
+                engine = AsyncEngine.from_model(model, EngineConfig.from_settings(self._settings_for(model)))
                 self._engines[model] = engine
             return engine
 
@@ -212,25 +208,20 @@ class InProcessBackend:
         engine = await self.engine(model)
         limit = self._char_limits.get(model)
         if limit is None:
-            limit = await asyncio.to_thread(_char_limit, engine)
+            limit = await asyncio.to_thread(prompt_char_limit, engine.tokenizer, engine.engine.max_model_len)
             self._char_limits[model] = limit
-        chars = len(prompt or "") + sum(_message_chars(m) for m in messages or ())
-        if chars > limit:
-            window = engine.engine.max_model_len
-            # prompt_tokens: a lower bound (a token stands for at most limit / window characters).
-            raise PromptTooLongError(f"the prompt is {chars:,} characters, more than a context of {window:,} "
-                                     "tokens can hold", prompt_tokens=chars * window // limit, limit=window)
+        check_prompt_chars(prompt, messages, limit, engine.engine.max_model_len)
         return await asyncio.to_thread(engine.encode, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
     async def prepare_constraint(self, model: str, constraint: Constraint) -> None:
         await (await self.engine(model)).compile_constraint(constraint)
 
-    async def stream(self, model: str, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
         engine = await self.engine(model)
         async for out in engine.stream(request):
             yield out
 
-    async def generate(self, model: str, request: GenerationRequest) -> RequestOutput:
+    async def generate(self, model: str, request: GenerationRequest, session: str = "") -> RequestOutput:
         return await (await self.engine(model)).generate(request)
 
     async def embed(self, model: str, texts: list[str]) -> EmbeddingResult:
@@ -266,15 +257,21 @@ _backend_lock = threading.Lock()
 
 
 def get_backend() -> Backend:
-    """The process-wide backend named by HEARTH_ENGINE (only `inprocess` until workers exist)."""
+    """The process-wide backend named by HEARTH_ENGINE: `inprocess` (engines in this process, the default) or
+    `ray` (the fleet's replicas, at RAY_ADDRESS)."""
     global _backend
     if _backend is None:
         with _backend_lock:
             if _backend is None:
                 kind = os.environ.get("HEARTH_ENGINE") or settings.HEARTH_ENGINE
-                if kind != "inprocess":
-                    raise ImproperlyConfigured(f"HEARTH_ENGINE={kind!r}: only 'inprocess' is available")
-                _backend = InProcessBackend()
+                if kind == "inprocess":
+                    _backend = InProcessBackend()
+                elif kind == "ray":
+                    from controlplane.serving.fleet_backend import RayBackend
+
+                    _backend = RayBackend()
+                else:
+                    raise ImproperlyConfigured(f"HEARTH_ENGINE={kind!r}: use 'inprocess' or 'ray'")
     return _backend
 
 

@@ -42,6 +42,7 @@ class Run:
     backend: Backend = field(default_factory=get_backend)
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
+    session: str = ""  # x-session-affinity: a fleet keeps the conversation on one replica
 
     async def prepare(self) -> None:
         """Compile the grammar (off the event loop, cached by content), encode each prompt, size its output and
@@ -80,7 +81,7 @@ class Run:
         async def pump(choice: Choice) -> None:
             waiting = siblings.pop(choice.prompt_index, []) if choice.leader else []
             try:
-                async with aclosing(self.backend.stream(self.job.model, choice.request)) as stream:
+                async with aclosing(self.backend.stream(self.job.model, choice.request, self.session)) as stream:
                     async for out in stream:
                         for sibling in waiting:  # the prompt's KV is cached now
                             tasks.append(asyncio.create_task(pump(sibling)))
@@ -112,7 +113,7 @@ class Run:
         """Run every choice to its end; each final output carries all of its logprobs."""
         if len(self.choices) == 1 and self.choices[0].request.params.logprobs is None:
             only = self.choices[0]  # the common case: one wake-up at the end, not one per token
-            only.final = await self.backend.generate(self.job.model, only.request)
+            only.final = await self.backend.generate(self.job.model, only.request, self.session)
         else:
             async with aclosing(self.outputs()) as outputs:
                 async for _ in outputs:
@@ -146,6 +147,14 @@ class Run:
             proposed += spec.get("proposed", 0)
             accepted += spec.get("accepted", 0)
         return {"proposed": proposed, "accepted": accepted}
+
+    def replica(self) -> str:
+        """Which replica served the job (the first choice's; n > 1 siblings follow their leader's prefix), or ""
+        when the engine is in this process."""
+        for choice in self.choices:
+            if choice.final is not None and choice.final.replica:
+                return choice.final.replica
+        return ""
 
     def first_token_time(self) -> float | None:
         times = [c.final.metrics.first_token_time for c in self.choices

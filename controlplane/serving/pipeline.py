@@ -280,7 +280,7 @@ class Generation:
     _first: tuple[Choice, RequestOutput] | None = None
 
     def __post_init__(self) -> None:
-        self.run = Run(self.adm.job, Priority.INTERACTIVE)
+        self.run = Run(self.adm.job, Priority.INTERACTIVE, session=self.session_affinity)
 
     @property
     def job(self) -> Job:
@@ -372,7 +372,8 @@ def job_usage(job: Job, run: Run | None, *, account_id: str, key_id: str | None,
         spec_proposed=spec.get("proposed", 0), spec_accepted=spec.get("accepted", 0),
         latency_ms=(time.monotonic() - started) * 1000,
         ttft_ms=(first_token_at - started) * 1000 if first_token_at else None,
-        session_affinity=session_affinity, created_at=created_at)
+        session_affinity=session_affinity, replica=run.replica() if run is not None else "",
+        created_at=created_at)
 
 
 async def embed(adm: Admission, *, session_affinity: str,

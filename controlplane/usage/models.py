@@ -48,6 +48,7 @@ class UsageEvent(models.Model):
     latency_ms = models.FloatField(default=0.0)
     ttft_ms = models.FloatField(null=True, blank=True)
     session_affinity = models.CharField(max_length=200, blank=True)
+    replica = models.CharField(max_length=64, blank=True)  # the fleet replica that served it ("" in-process)
 
     class Meta:
         ordering = ["-created_at"]

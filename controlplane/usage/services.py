@@ -49,6 +49,7 @@ class UsageRecord:
     latency_ms: float = 0.0
     ttft_ms: float | None = None
     session_affinity: str = ""
+    replica: str = ""
     created_at: datetime | None = None
 
 
@@ -120,7 +121,8 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
             input_tokens=tokens_in, cached_input_tokens=tokens_cached, output_tokens=tokens_out,
             spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
             neurons=neurons, cost_usd=cost, price_id=price.price_id if price and billable else None,
-            latency_ms=rec.latency_ms, ttft_ms=rec.ttft_ms, session_affinity=rec.session_affinity[:200])
+            latency_ms=rec.latency_ms, ttft_ms=rec.ttft_ms, session_affinity=rec.session_affinity[:200],
+            replica=rec.replica[:64])
         deltas = {
             "requests": 1, "errors": 0 if rec.status != Status.ERROR else 1,
             "input_tokens": tokens_in, "cached_input_tokens": tokens_cached, "output_tokens": tokens_out,

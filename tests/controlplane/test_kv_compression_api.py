@@ -10,8 +10,9 @@ from cp_support import CHAT_MODEL
 from django.test import override_settings
 
 from controlplane.catalog.models import AiModel
-from controlplane.serving.dispatch import _catalog_settings, _engine_config
+from controlplane.serving.dispatch import catalog_settings
 from controlplane.usage.models import UsageEvent
+from inference import EngineConfig
 from inference.models.catalog import BUNDLED_MODELS
 
 pytestmark = pytest.mark.django_db
@@ -51,10 +52,10 @@ def test_catalog_defaults_and_the_server_switch_reach_the_engine_config(catalog)
     from controlplane.catalog.services import invalidate
 
     invalidate()
-    config = _engine_config(_catalog_settings(CHAT_MODEL))
+    config = EngineConfig.from_settings(catalog_settings(CHAT_MODEL))
     assert config.kv_compression and config.default_kv_compression().rate == 8.0
     with override_settings(HEARTH_KV_COMPRESSION=False):
-        assert _engine_config(_catalog_settings(CHAT_MODEL)).kv_compression is False
+        assert EngineConfig.from_settings(catalog_settings(CHAT_MODEL)).kv_compression is False
 
 
 @pytest.mark.real_model

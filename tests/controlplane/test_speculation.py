@@ -11,8 +11,8 @@ from django.apps import apps
 
 from controlplane.catalog.models import AiModel
 from controlplane.catalog.services import get_model, invalidate, seed
-from controlplane.serving.dispatch import _engine_config
 from controlplane.usage.models import Status, UsageEvent
+from inference import EngineConfig
 from inference.models.catalog import BUNDLED_MODELS
 
 pytestmark = pytest.mark.django_db
@@ -37,14 +37,14 @@ def chat(client, tenant, body, model=CHAT_MODEL):
 # ------------------------------------------------------------------------------------------------- catalog
 def test_seeded_models_carry_speculation_defaults_into_engine_config(catalog):
     for name in (CHAT_MODEL, QWEN):
-        config = _engine_config(dict(catalog[name].engine_settings))
+        config = EngineConfig.from_settings(dict(catalog[name].engine_settings))
         assert (config.speculation, config.num_speculative_tokens, config.draft_model) == ("ngram", 8, None)
-    assert _engine_config(dict(catalog[GEMMA].engine_settings)).speculation == "off"
+    assert EngineConfig.from_settings(dict(catalog[GEMMA].engine_settings)).speculation == "off"
     # The 1.5B drafts with the 0.5B when that is installed, and falls back to prompt lookup when it is not.
     draft = AiModel.objects.get(name=QWEN_15).engine_settings
     if BUNDLED_MODELS[QWEN].installed:
         assert draft == {"speculation": "draft", "draft_model": QWEN}
-        assert _engine_config(draft).draft_model == QWEN
+        assert EngineConfig.from_settings(draft).draft_model == QWEN
     else:
         assert draft["speculation"] == "ngram"
     AiModel.objects.filter(name=QWEN_15).delete()

@@ -13,24 +13,33 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
 
-from django.http import HttpResponse, StreamingHttpResponse
+from django.http import StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from pydantic import BaseModel
 
 from controlplane.api import errors
 from controlplane.api.body import parse
-from controlplane.api.http import ResponseWithAfterClose, dumps
+from controlplane.api.http import REPLICA_HEADER, SSE_DONE, ResponseWithAfterClose, dumps, sse
 from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
 from controlplane.serving.dispatch import EmbeddingResult
 from controlplane.serving.generation import Choice, Run
 from controlplane.serving.job import Job, Work
 from inference import RequestOutput
+from inference.errors import EngineError
 
 
 def event_stream(events: AsyncIterator[bytes]) -> StreamingHttpResponse:
     response = StreamingHttpResponse(events, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # proxies must pass each event on at once
+    return response
+
+
+def with_replica(response: HttpResponseBase, replica: str) -> HttpResponseBase:
+    """Name the fleet replica that served the answer (absent when the engine runs in this process)."""
+    if replica:
+        response[REPLICA_HEADER] = replica
     return response
 
 
@@ -75,7 +84,7 @@ class Endpoint(ABC):
     def events(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
         """The SSE events of an opened stream."""
 
-    async def respond(self, adm: pipeline.Admission, *, affinity: str, started: float) -> HttpResponse:
+    async def respond(self, adm: pipeline.Admission, *, affinity: str, started: float) -> HttpResponseBase:
         """Run an admitted job and answer it: whole, or as a stream. Usage is written once the answer is on
         the wire (a stream's when it ends or the client leaves)."""
         job = adm.job
@@ -91,10 +100,29 @@ class Endpoint(ABC):
             finals = await gen.collect()
             record = gen.usage_record()
             payload = self.render(job, gen.run, finals, created)
-            return ResponseWithAfterClose(dumps(payload), content_type="application/json",
-                                          after_close=lambda: pipeline.commit_usage(adm, record))
+            return with_replica(ResponseWithAfterClose(dumps(payload), content_type="application/json",
+                                                       after_close=lambda: pipeline.commit_usage(adm, record)),
+                                gen.run.replica())
         await gen.open_stream()
-        return event_stream(self.events(gen, created))
+        return with_replica(event_stream(self._guarded(gen, created)), gen.run.replica())
+
+    async def _guarded(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
+        """The stream's events; if the engine fails it mid-way (a fleet replica dies), an error event in the
+        route's envelope and the end marker, so clients see a clean end rather than a cut connection. Usage
+        records what was produced (the stream's own cleanup meters it)."""
+        try:
+            async for event in self.events(gen, created):
+                yield event
+        except EngineError as exc:
+            error = errors.from_engine(exc, gen.job.model)
+            yield self.stream_error(error)
+            yield SSE_DONE
+
+    def stream_error(self, error: errors.ApiError) -> bytes:
+        if self.style == "openai":
+            return sse({"error": {"message": error.message, "type": errors.openai_error_type(error.status),
+                                  "param": error.param, "code": error.openai_code}})
+        return sse({"error": {"code": error.code, "message": error.message}})
 
 
 async def choice_outputs(gen: pipeline.Generation) -> AsyncIterator[tuple[Choice, RequestOutput]]:

@@ -1,0 +1,207 @@
+"""How the control plane reaches the fleet: DeploymentHandles per model, errors mapped back to the engine's.
+
+A replica that dies takes its requests with it: they end with ReplicaLostError (an EngineDeadError, so the
+control plane answers 503 and batch items are given back and run again). A non-streaming request is retried
+once first: the router has already forgotten the dead replica, so the retry lands on a live one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError
+
+from fleet.adapters import AdapterBundle, digest, read_files
+from fleet.app import DEPLOYMENT, app_name, connect
+from fleet.routing import RouteHint
+from inference import EngineMetrics, GenerationRequest, ModelInfo, RequestOutput
+from inference.constrained import Constraint
+from inference.errors import EngineDeadError, EngineError, EngineLostError, ModelNotFoundError
+
+log = logging.getLogger("fleet.client")
+METRICS_EVERY_S = 2.0
+LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
+
+
+class ReplicaLostError(EngineLostError):
+    """The replica serving the request died (Serve starts another)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMetrics:
+    model: str
+    replica: str
+    metrics: EngineMetrics
+    slots: int  # the engine's sequence slots
+
+
+def _engine_error(exc: BaseException) -> BaseException:
+    """The engine's own error inside a Ray wrapper, or ReplicaLostError for a replica that went away."""
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, EngineError):
+            return cause
+        if isinstance(cause, LOST):
+            return ReplicaLostError(f"the replica serving the request died: {cause}")
+        return EngineDeadError(f"the replica failed the request: {cause!r}")
+    if isinstance(exc, LOST):
+        return ReplicaLostError(f"the replica serving the request died: {exc}")
+    return exc
+
+
+class FleetClient:
+    def __init__(self, address: str | None = None) -> None:
+        connect(address)
+        self._handles: dict[str, Any] = {}
+        self._char_limits: dict[str, tuple[int, int]] = {}
+        self._infos: dict[str, ModelInfo] = {}
+        self._bundles: dict[str, AdapterBundle] = {}
+        self._lock = threading.Lock()
+        self._metrics: dict[tuple[str, str], ReplicaMetrics] = {}
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_metrics, name="hearth-fleet-metrics", daemon=True)
+        self._poller.start()
+
+    # ------------------------------------------------------------------ handles
+    def handle(self, model: str) -> Any:
+        handle = self._handles.get(model)
+        if handle is None:
+            try:
+                handle = serve.get_deployment_handle(DEPLOYMENT, app_name(model))
+            except Exception as exc:  # Serve raises a plain error for an application it does not know
+                raise ModelNotFoundError(f"{model} is not deployed on the fleet") from exc
+            with self._lock:
+                self._handles[model] = handle
+        return handle
+
+    async def _call(self, model: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await getattr(self.handle(model), method).remote(*args, **kwargs)
+        except BaseException as exc:
+            mapped = _engine_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from None
+
+    # ------------------------------------------------------------------ engine calls
+    async def info(self, model: str) -> ModelInfo:
+        info = self._infos.get(model)
+        if info is None:
+            info = self._infos[model] = await self._call(model, "info")
+        return info
+
+    async def char_limit(self, model: str) -> tuple[int, int]:
+        limit = self._char_limits.get(model)
+        if limit is None:
+            limit = self._char_limits[model] = await self._call(model, "char_limit")
+        return limit
+
+    async def encode(self, model: str, **kwargs: Any) -> list[int]:
+        return await self._call(model, "encode", **kwargs)
+
+    async def compile(self, model: str, constraint: Constraint) -> None:
+        await self._call(model, "compile", constraint)
+
+    async def _bundle(self, request: GenerationRequest) -> AdapterBundle | None:
+        lora = request.lora
+        if lora is None:
+            return None
+        bundle = self._bundles.get(lora.name)
+        if bundle is None:
+            files = await asyncio.to_thread(read_files, lora.path)
+            bundle = AdapterBundle(lora.name, digest(files), ray.put(files))
+            self._bundles[lora.name] = bundle
+        return bundle
+
+    @staticmethod
+    def _hint(request: GenerationRequest, session: str, avoid: frozenset[str] = frozenset()) -> RouteHint:
+        return RouteHint(session=session, prompt=tuple(request.prompt_token_ids), extra_keys=request.extra_keys,
+                         adapter=request.lora.name if request.lora is not None else None, avoid=avoid)
+
+    async def generate(self, model: str, request: GenerationRequest, session: str = "") -> RequestOutput:
+        bundle = await self._bundle(request)
+        try:
+            return await self._call(model, "generate", request, route=self._hint(request, session), adapter=bundle)
+        except ReplicaLostError as exc:
+            # Nothing was produced for the caller yet: one more try, on a live replica.
+            log.warning("request %s lost its replica (%s); retrying once", request.request_id, exc)
+            return await self._call(model, "generate", request, route=self._hint(request, session), adapter=bundle)
+
+    async def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
+        bundle = await self._bundle(request)
+        responses = self.handle(model).options(stream=True).stream.remote(
+            request, route=self._hint(request, session), adapter=bundle)
+        try:
+            async for out in responses:
+                yield out
+        except BaseException as exc:
+            mapped = _engine_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from None
+        finally:
+            responses.cancel()  # the client left early: the replica aborts the engine request
+
+    async def embed(self, model: str, texts: list[str]) -> dict[str, Any]:
+        return await self._call(model, "embed", texts)
+
+    # ------------------------------------------------------------------ observation
+    def _poll_metrics(self) -> None:
+        while not self._stop.wait(METRICS_EVERY_S):
+            try:
+                self.refresh_metrics()
+            except Exception:  # a cluster hiccup must not end the poller
+                log.debug("metrics poll failed", exc_info=True)
+
+    def refresh_metrics(self, timeout_s: float = 5.0) -> None:
+        """Every replica's engine gauges, from each model this process has reached."""
+        fresh: dict[tuple[str, str], ReplicaMetrics] = {}
+        for model, handle in list(self._handles.items()):
+            try:
+                results = handle.broadcast("metrics").results(timeout_s=timeout_s, return_exceptions=True)
+            except Exception:
+                continue
+            for result in results:
+                if isinstance(result, tuple) and len(result) == 3:
+                    fresh[(model, result[0])] = ReplicaMetrics(model, *result)
+        with self._lock:
+            self._metrics = fresh
+
+    def replica_metrics(self) -> list[ReplicaMetrics]:
+        with self._lock:
+            return sorted(self._metrics.values(), key=lambda r: (r.model, r.replica))
+
+    def model_metrics(self) -> Mapping[str, list[ReplicaMetrics]]:
+        out: dict[str, list[ReplicaMetrics]] = {}
+        for r in self.replica_metrics():
+            out.setdefault(r.model, []).append(r)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def wait_for_replicas(model: str, count: int, timeout_s: float = 120.0) -> list[str]:
+    """Block until `count` replicas of the model's deployment are running; returns their ids."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(app_name(model))
+        replicas = []
+        if status is not None and DEPLOYMENT in status.deployments:
+            dep = status.deployments[DEPLOYMENT]
+            running = dep.replica_states.get("RUNNING", 0)
+            if running >= count:
+                return [str(running)]
+            replicas = [str(running)]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{model}: {replicas or 0} of {count} replicas running after {timeout_s:.0f} s")
+        time.sleep(0.25)

@@ -1,0 +1,134 @@
+"""One engine replica: the Ray Serve deployment class that holds an AsyncEngine (or an Embedder).
+
+Serve creates, health-checks and replaces replicas; each publishes routing stats (load, the prefix-cache keys
+it holds, resident adapters) that `fleet.router.HearthRouter` reads to place requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from fleet.adapters import AdapterBundle, materialize
+from fleet.routing import KEY_BYTES, RouteHint
+from inference import (
+    AsyncEngine,
+    EngineConfig,
+    EngineMetrics,
+    GenerationRequest,
+    LoRARequest,
+    ModelInfo,
+    RequestOutput,
+)
+from inference.constrained import Constraint
+from inference.models.bert import Embedder
+from inference.prompts import prompt_char_limit
+
+log = logging.getLogger("fleet.replica")
+SUMMARY_KEYS = 8192  # prefix-cache keys published per stats period (newest first): 64 KiB
+
+
+def replica_name() -> str:
+    """This replica's id inside Serve (the router sees the same), or the process id outside it."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica (tests that drive the class directly)
+        return f"pid{os.getpid()}"
+
+
+def adapter_root() -> Path:
+    return Path(os.environ.get("HEARTH_DATA_DIR", ".data")) / "fleet-adapters"
+
+
+class EngineReplica:
+    """A generation model's engine. Every method is called through a DeploymentHandle."""
+
+    def __init__(self, model: str, engine_settings: Mapping[str, Any]) -> None:
+        self.model = model
+        self.engine = AsyncEngine.from_model(model, EngineConfig.from_settings(engine_settings))
+        self.name = replica_name()
+        self.block_size = self.engine.engine.config.block_size
+        log.info("replica %s of %s ready", self.name, model)
+
+    # ------------------------------------------------------------------ Serve hooks
+    def check_health(self) -> None:
+        """Serve replaces a replica whose engine loop died."""
+        if not self.engine.alive:
+            raise RuntimeError(f"the engine of {self.model} stopped")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        m = self.engine.metrics()
+        keys = self.engine.engine.blocks.cached_keys(SUMMARY_KEYS)
+        return {"running": m.running, "waiting": m.queue_depth, "slots": self.engine.engine.config.max_num_seqs,
+                "kv_usage": m.kv_usage, "block_size": self.block_size,
+                "prefix": b"".join(k[:KEY_BYTES] for k in keys), "adapters": list(m.lora_resident or ())}
+
+    # ------------------------------------------------------------------ engine calls
+    async def info(self) -> ModelInfo:
+        return self.engine.info
+
+    async def encode(self, prompt: str | None = None, messages: list | None = None, raw: bool = False,
+                     tools: list | None = None) -> list[int]:
+        return await asyncio.to_thread(self.engine.encode, prompt=prompt, messages=messages, raw=raw, tools=tools)
+
+    async def char_limit(self) -> tuple[int, int]:
+        """Characters past which no prompt fits the context, and the context length."""
+        engine = self.engine
+        limit = await asyncio.to_thread(prompt_char_limit, engine.tokenizer, engine.engine.max_model_len)
+        return limit, engine.engine.max_model_len
+
+    async def compile(self, constraint: Constraint) -> None:
+        await self.engine.compile_constraint(constraint)
+
+    async def _local(self, request: GenerationRequest, adapter: AdapterBundle | None) -> GenerationRequest:
+        if adapter is None:
+            return request
+        import ray
+
+        folder = await asyncio.to_thread(materialize, adapter, adapter_root(), ray.get)
+        # Assigned, not replaced: the request's prefix-cache keys already name the adapter, exactly once.
+        request.lora = LoRARequest(adapter.name, folder)
+        return request
+
+    async def generate(self, request: GenerationRequest, route: RouteHint | None = None,
+                       adapter: AdapterBundle | None = None) -> RequestOutput:
+        out = await self.engine.generate(await self._local(request, adapter))
+        out.replica = self.name
+        return out
+
+    async def stream(self, request: GenerationRequest, route: RouteHint | None = None,
+                     adapter: AdapterBundle | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.stream(await self._local(request, adapter)):
+            out.replica = self.name
+            yield out
+
+    async def metrics(self) -> tuple[str, EngineMetrics, int]:
+        """This replica's id, its engine gauges and its sequence slots."""
+        return self.name, self.engine.metrics(), self.engine.engine.config.max_num_seqs
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)
+
+
+class EmbedderReplica:
+    """An embedding model. Forward passes run one at a time in a worker thread: the replica's loop stays free."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.embedder = Embedder.from_model(model)
+        self.name = replica_name()
+        self._lock = asyncio.Lock()
+
+    async def embed(self, texts: list[str]) -> dict[str, Any]:
+        async with self._lock:
+            out = await asyncio.to_thread(self.embedder.embed, texts)
+        return {"vectors": out.embeddings.tolist(), "dim": self.embedder.dim, "prompt_tokens": out.prompt_tokens,
+                "token_counts": list(out.token_counts), "replica": self.name}

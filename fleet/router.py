@@ -1,0 +1,96 @@
+"""Hearth's Ray Serve request router: `fleet.routing.Policy` on Serve's replica set.
+
+Serve runs one router per deployment handle, in the caller's process (the control plane's web server or a
+batch worker). It hands us the live replicas; we rank them; Serve sends the request to the first of the best
+rank whose queue has room, and falls through the ranks otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from fleet.routing import KEY_BYTES, Policy, PrefixMemory, ReplicaState, RouteHint
+
+ROUTE_KWARG = "route"  # the keyword argument of a replica call that carries its RouteHint
+
+
+def replica_label(replica_id: ReplicaID) -> str:
+    return replica_id.unique_id
+
+
+class HearthRouter(RequestRouter):
+    """Session affinity with bounded loads, then the longest cached prefix, then adapter residency, then the
+    least loaded replica. Deliberately not FIFOMixin: a replica chosen for one request must not be handed to
+    another, or affinity would mean nothing."""
+
+    def initialize_state(self, load_factor: float = 1.25, load_slack: int = 4, min_prefix_blocks: int = 1,
+                         memory_blocks: int = 1 << 16, **kwargs: Any) -> None:
+        self.policy = Policy(load_factor=load_factor, load_slack=load_slack, min_prefix_blocks=min_prefix_blocks)
+        self.memory = PrefixMemory(memory_blocks)
+        self.inflight: Counter[str] = Counter()  # requests this router sent and that have not completed
+        self._sent: dict[str, str] = {}  # internal request id -> replica label
+        self._summaries: dict[str, tuple[bytes, frozenset[bytes]]] = {}  # label -> (raw summary, parsed)
+        self.decisions: Counter[str] = Counter()  # reason -> count, for tests and the dashboard
+
+    # ------------------------------------------------------------------ what we know of a replica
+    def _prefix(self, label: str, raw: bytes) -> frozenset[bytes]:
+        cached = self._summaries.get(label)
+        if cached is not None and cached[0] is raw:
+            return cached[1]
+        parsed = frozenset(raw[i: i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
+        self._summaries[label] = (raw, parsed)
+        return parsed
+
+    def _state(self, replica: RunningReplica) -> ReplicaState:
+        label = replica_label(replica.replica_id)
+        stats = replica.routing_stats or {}
+        engine_load = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+        return ReplicaState(
+            id=label, load=max(engine_load, self.inflight[label]), slots=int(stats.get("slots", 1)),
+            kv_usage=float(stats.get("kv_usage", 0.0)), prefix=self._prefix(label, stats.get("prefix", b"")),
+            adapters=frozenset(stats.get("adapters", ())), block_size=int(stats.get("block_size", 16)))
+
+    # ------------------------------------------------------------------ Serve's interface
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        hint = _hint(pending_request)
+        by_label = {replica_label(r.replica_id): r for r in candidate_replicas}
+        decision = self.policy.decide(hint, [self._state(r) for r in candidate_replicas], self.memory)
+        self.decisions[decision.reason] += 1
+        ranked = [by_label[label] for label in decision.ranking]
+        if pending_request is not None:
+            # Every rank was full: wait a little before asking again instead of spinning.
+            pending_request.routing_context.should_backoff = True
+        return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        label = replica_label(replica_id)
+        self.inflight[label] += 1
+        self._sent[pending_request.metadata.internal_request_id] = label
+        hint = _hint(pending_request)
+        if hint.prompt:
+            state = self.curr_replicas.get(replica_id)
+            block_size = int(((state.routing_stats if state else None) or {}).get("block_size", 16))
+            self.memory.remember(hint.prompt[:-1], hint.extra_keys, block_size, label)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        label = self._sent.pop(internal_request_id, replica_label(replica_id))
+        if self.inflight[label] > 0:
+            self.inflight[label] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        label = replica_label(replica_id)
+        self.memory.forget(label)
+        self.inflight.pop(label, None)
+        self._summaries.pop(label, None)
+
+
+def _hint(pending_request: PendingRequest | None) -> RouteHint:
+    hint = pending_request.kwargs.get(ROUTE_KWARG) if pending_request is not None else None
+    return hint if isinstance(hint, RouteHint) else RouteHint()

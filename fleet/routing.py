@@ -1,0 +1,198 @@
+"""Which replica serves a request: the policy, free of Ray so it can be tested (and reasoned about) alone.
+
+In order of preference:
+1. A session (the `x-session-affinity` header) hashes onto a ring of replicas; it stays on its replica while
+   that replica is alive and under the load cap (consistent hashing with bounded loads: Mirrokni, Thorup and
+   Zadimoghaddam, 2018). When a replica joins or leaves, only the sessions whose ring arc changed move.
+2. Otherwise, of the replicas under the cap, the one holding the longest cached prefix of the prompt (the
+   engine's own prefix-cache hash chain).
+3. A request naming a LoRA adapter prefers a replica where that adapter is resident.
+4. Otherwise the least loaded replica.
+Every answer is a full ranking: the caller (Ray Serve's router) falls through it when a replica refuses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from inference.block_manager import prefix_chain
+
+KEY_BYTES = 8  # prefix keys travel truncated: 2^-64 collisions only cost a mis-route, never wrong output
+VNODES = 64  # ring points per replica: smooths arc sizes so each replica gets ~1/n of the sessions
+
+
+def short_key(key: bytes) -> bytes:
+    return key[:KEY_BYTES]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What the router knows of one replica: its own published stats and the router's in-flight count."""
+
+    id: str
+    load: int  # sequences waiting + running (or requests in flight from this router, whichever is larger)
+    slots: int = 1  # the engine's sequence slots
+    kv_usage: float = 0.0
+    prefix: frozenset[bytes] = frozenset()  # short keys of the prefix-cache groups it holds
+    adapters: frozenset[str] = frozenset()  # adapters resident in its slots
+    block_size: int = 16
+
+    @property
+    def pressure(self) -> float:
+        """Comparable across replicas of different sizes: load per slot, KV use breaking ties."""
+        return self.load / max(self.slots, 1) + self.kv_usage
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What the request says about where it would be best served."""
+
+    session: str = ""
+    prompt: Sequence[int] = ()
+    extra_keys: tuple = ()  # mixed into the prefix keys, as the engine does (adapter, cache salt)
+    adapter: str | None = None
+    avoid: frozenset[str] = frozenset()  # replicas that already failed this request
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ranking: list[str]
+    reason: str  # session | prefix | adapter | least_loaded
+    matched_blocks: int = 0
+
+
+class HashRing:
+    """Replicas placed at VNODES points each on a 64-bit ring; a key belongs to the first point clockwise."""
+
+    def __init__(self, replica_ids: Iterable[str]) -> None:
+        points = sorted((_h64(f"{rid}#{v}"), rid) for rid in set(replica_ids) for v in range(VNODES))
+        self._hashes = [h for h, _ in points]
+        self._owners = [rid for _, rid in points]
+        self.members = frozenset(self._owners)
+
+    def walk(self, key: str) -> list[str]:
+        """Every replica, in the order a key meets them going clockwise from its own point."""
+        if not self._hashes:
+            return []
+        start = bisect.bisect(self._hashes, _h64(key))
+        seen: list[str] = []
+        for i in range(len(self._hashes)):
+            rid = self._owners[(start + i) % len(self._hashes)]
+            if rid not in seen:
+                seen.append(rid)
+                if len(seen) == len(self.members):
+                    break
+        return seen
+
+
+def _h64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def load_cap(replicas: Sequence[ReplicaState], factor: float, slack: int) -> int:
+    """Bounded loads: no replica takes a new request once it holds factor × the mean load (counting the new
+    one), so a hot session or prefix spills instead of queueing behind itself. At light load the cap is at
+    least the mean plus `slack` requests: there, reusing a cache is worth more than perfect balance."""
+    mean = (sum(r.load for r in replicas) + 1) / max(len(replicas), 1)
+    return max(1, math.ceil(max(factor * mean, mean + slack)))
+
+
+@dataclass(slots=True)
+class Policy:
+    load_factor: float = 1.25
+    load_slack: int = 4
+    min_prefix_blocks: int = 1  # a match shorter than this is no reason to leave the least loaded replica
+    _ring: HashRing | None = field(default=None, init=False)
+
+    def ring(self, ids: Iterable[str]) -> HashRing:
+        members = frozenset(ids)
+        if self._ring is None or self._ring.members != members:
+            self._ring = HashRing(members)
+        return self._ring
+
+    def decide(self, hint: RouteHint, replicas: Sequence[ReplicaState],
+               routed: PrefixMemory | None = None) -> Decision:
+        usable = [r for r in replicas if r.id not in hint.avoid] or list(replicas)
+        if not usable:
+            return Decision([], "none")
+        by_load = sorted(usable, key=lambda r: (r.pressure, r.id))
+        cap = load_cap(usable, self.load_factor, self.load_slack)
+
+        def first(chosen: str, reason: str, matched: int = 0) -> Decision:
+            return Decision([chosen] + [r.id for r in by_load if r.id != chosen], reason, matched)
+
+        if hint.session:
+            loads = {r.id: r.load for r in usable}
+            for rid in self.ring(loads).walk(hint.session):
+                if loads[rid] < cap:
+                    return first(rid, "session")
+        under_cap = [r for r in usable if r.load < cap]
+        if hint.prompt and under_cap:
+            best, matched = self.longest_prefix(hint, under_cap, routed)
+            if best is not None and matched >= self.min_prefix_blocks:
+                return first(best.id, "prefix", matched)
+        if hint.adapter:
+            holders = [r for r in by_load if hint.adapter in r.adapters and r.load < cap]
+            if holders:
+                return first(holders[0].id, "adapter")
+        return first(by_load[0].id, "least_loaded")
+
+    def longest_prefix(self, hint: RouteHint, replicas: Sequence[ReplicaState],
+                       routed: PrefixMemory | None) -> tuple[ReplicaState | None, int]:
+        """The replica holding the most leading blocks of the prompt, by its published summary or by where this
+        router sent the same prefix before; ties go to the less loaded."""
+        block_size = replicas[0].block_size
+        # As the engine does, the prompt's last token is never served from the cache.
+        keys = [short_key(k) for k in prefix_chain(hint.prompt[:-1], block_size, hint.extra_keys)]
+        if not keys:
+            return None, 0
+        best: ReplicaState | None = None
+        best_len = 0
+        for r in replicas:
+            n = 0
+            for key in keys:
+                if key in r.prefix or (routed is not None and routed.holds(key, r.id)):
+                    n += 1
+                else:
+                    break
+            if n > best_len or (n == best_len and n and best is not None and r.pressure < best.pressure):
+                best, best_len = r, n
+        return best, best_len
+
+
+class PrefixMemory:
+    """Where this router recently sent each prefix block: replicas publish their cache only every so often, and
+    a conversation's next turn usually arrives before the next summary does."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._where: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def remember(self, prompt: Sequence[int], extra_keys: tuple, block_size: int, replica_id: str) -> None:
+        for key in prefix_chain(prompt, block_size, extra_keys):
+            k = short_key(key)
+            holders = self._where.pop(k, None) or set()
+            holders.add(replica_id)
+            self._where[k] = holders
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def holds(self, key: bytes, replica_id: str) -> bool:
+        holders = self._where.get(key)
+        return holders is not None and replica_id in holders
+
+    def forget(self, replica_id: str) -> None:
+        """A replica died: nothing it held survives it."""
+        for k in [k for k, holders in self._where.items() if replica_id in holders]:
+            holders = self._where[k]
+            holders.discard(replica_id)
+            if not holders:
+                del self._where[k]
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -1,0 +1,163 @@
+"""The control plane on a fleet of 2 engine replicas on a local Ray (HEARTH_ENGINE=ray), through the openai SDK:
+session affinity, prefix-aware routing, the replica header and usage, a replica killed under load, recovery."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from cp_support import CHAT_MODEL
+from test_live_server import client_for, live, wait_for_events  # noqa: F401  (live is a fixture)
+
+from controlplane.usage.models import UsageEvent
+from tests.engine.conftest import build_tiny_model
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.once]
+
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 12  # ~150 tokens: 9 full blocks
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, live_server_url: str) -> Iterator[object]:
+    """2 replicas of a tiny random model, deployed under the chat model's name, behind HearthRouter; the live
+    server's backend is the fleet's for the module."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from controlplane.serving.dispatch import set_backend
+    from controlplane.serving.fleet_backend import RayBackend
+    from fleet.app import ModelDeployment, connect, deploy
+    from fleet.client import FleetClient
+
+    tiny = build_tiny_model("llama", tmp_path_factory.mktemp("fleet-tiny"))
+    try:
+        connect(num_cpus=2)
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"a local Ray cannot start here: {exc}")
+    deploy([ModelDeployment(model=CHAT_MODEL, source=str(tiny), replicas=2, num_cpus=0.5,
+                            engine_settings={"kv_cache_memory": "64MiB", "max_num_seqs": 8, "dtype": "float32"})])
+    backend = RayBackend(FleetClient())
+    previous = set_backend(backend)
+    yield backend
+    set_backend(previous)
+    backend.shutdown()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def chat(client: openai.OpenAI, messages: list[dict], session: str = "", **kw: object) -> tuple[object, str]:
+    headers = {"x-session-affinity": session} if session else {}
+    raw = client.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=messages, temperature=0,
+                                                           extra_headers=headers, **{"max_tokens": 8, **kw})
+    return raw.parse(), raw.headers.get("x-hearth-replica", "")
+
+
+def running_replicas() -> list[str]:
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::") and "#engine#" in a["name"]]
+
+
+def kill(replica: str) -> None:
+    import ray
+
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{replica}"):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            return
+    raise AssertionError(f"no replica actor {replica}")
+
+
+def test_a_session_stays_on_its_replica_and_reads_its_cache(fleet, live):  # noqa: F811
+    url, tenant = live
+    client = client_for(url, tenant)
+    homes: dict[str, set[str]] = {}
+    for s in range(4):
+        session = f"conversation-{s}"
+        messages = [{"role": "system", "content": f"[{s}] " + SYSTEM}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Question {turn} of conversation {s}?"})
+            reply, replica = chat(client, messages, session)
+            assert replica, "every answer names the replica that served it"
+            homes.setdefault(session, set()).add(replica)
+            if turn:
+                # The conversation so far is in that replica's prefix cache.
+                assert reply.usage.prompt_tokens_details.cached_tokens >= 16 * 9
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes
+    # Usage records the replica, as the header named it.
+    events = [e for e in wait_for_events(12) if e.route == "openai.chat"]
+    assert len(events) == 12 and {e.replica for e in events} == set().union(*homes.values())
+    assert all(e.session_affinity.startswith("conversation-") for e in events)
+
+
+def test_without_a_session_the_prompt_goes_where_its_prefix_is_cached(fleet, live):  # noqa: F811
+    url, tenant = live
+    client = client_for(url, tenant)
+    system = {"role": "system", "content": "Shared preamble of a busy app. " * 20}
+    first, home = chat(client, [system, {"role": "user", "content": "First user?"}])
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    for i in range(4):
+        reply, replica = chat(client, [system, {"role": "user", "content": f"Another user, number {i}?"}])
+        assert replica == home
+        assert reply.usage.prompt_tokens_details.cached_tokens >= 16 * ((first.usage.prompt_tokens - 12) // 16)
+
+
+def test_a_replica_killed_under_load_gives_clean_answers_and_the_fleet_recovers(fleet, live):  # noqa: F811
+    url, tenant = live
+    client = client_for(url, tenant)
+    _, victim = chat(client, [{"role": "user", "content": "warm up the victim"}], "victim-session")
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        messages = [{"role": "user", "content": f"Write a long story number {i}."}]
+        headers = {"x-session-affinity": "victim-session" if i % 2 else f"other-{i}"}
+        try:
+            if i % 3 == 0:
+                stream = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=400,
+                                                        temperature=0, stream=True, extra_headers=headers)
+                chunks = list(stream)
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                result = "stream-ok"
+            else:
+                reply = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=400,
+                                                       temperature=0, extra_headers=headers)
+                assert reply.choices[0].finish_reason in ("stop", "length")
+                result = "ok"
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503, exc
+            assert exc.body["type"] == "server_error" and "retry" in exc.body["message"], exc.body
+            result = "503"
+        except openai.APIError as exc:  # an error event inside a 200 stream, which then ended with [DONE]
+            assert "went away" in str(exc.message), exc
+            result = "stream-error"
+        with lock:
+            outcomes.append(result)
+
+    before = len(running_replicas())
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(1.0)
+        kill(victim)
+        for f in futures:
+            f.result()  # an unexpected exception (a 500, a cut connection) fails the test here
+    # Non-streaming requests that lost their replica were retried on the other one; a stream that had begun
+    # on it ended with an error event and [DONE] (the SDK raises it as an APIError), never a cut connection.
+    assert sorted(outcomes) == sorted(["ok"] * 5 + [o for o in outcomes if o.startswith("stream")])
+    assert "stream-error" in outcomes
+    # Serve replaces the dead replica; requests flow again, and none goes to the dead one.
+    deadline = time.monotonic() + 90
+    while len(running_replicas()) < before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(running_replicas()) == before
+    for i in range(4):
+        reply, replica = chat(client, [{"role": "user", "content": f"after the crash {i}"}], f"after-{i}")
+        assert reply.choices[0].finish_reason in ("stop", "length") and replica != victim
+    errors = UsageEvent.objects.filter(http_status=500).count()
+    assert errors == 0

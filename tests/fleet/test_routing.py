@@ -1,0 +1,133 @@
+"""The fleet's routing policy, without Ray: hash stability, bounded load, minimal remapping, longest cached
+prefix, adapter preference, least load."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from fleet.routing import HashRing, Policy, PrefixMemory, ReplicaState, RouteHint, load_cap, short_key
+from inference.block_manager import BlockManager, prefix_chain
+from inference.kv_cache import KVLayout
+
+BS = 16
+
+
+def replicas(*loads: int, **extra: dict) -> list[ReplicaState]:
+    return [ReplicaState(id=f"r{i}", load=load, slots=8, block_size=BS, **extra.get(f"r{i}", {}))
+            for i, load in enumerate(loads)]
+
+
+def sessions(n: int) -> list[str]:
+    return [f"session-{random.Random(i).getrandbits(64):x}" for i in range(n)]
+
+
+def test_a_session_maps_to_the_same_replica_every_time_and_in_any_process() -> None:
+    ids = ["a1", "b2", "c3", "d4"]
+    first = {s: HashRing(ids).walk(s)[0] for s in sessions(200)}
+    # A ring built again, from the ids in another order, agrees: placement depends on nothing but the ids.
+    again = {s: HashRing(list(reversed(ids))).walk(s)[0] for s in sessions(200)}
+    assert first == again
+    policy = Policy()
+    for s, owner in first.items():
+        assert policy.decide(RouteHint(session=s), [ReplicaState(i, 0) for i in ids]).ranking[0] == owner
+
+
+def test_sessions_spread_evenly_over_replicas() -> None:
+    ring = HashRing([f"r{i}" for i in range(4)])
+    counts = Counter(ring.walk(s)[0] for s in sessions(4000))
+    assert set(counts) == {"r0", "r1", "r2", "r3"}
+    assert max(counts.values()) / min(counts.values()) < 1.6, counts
+
+
+def test_a_replica_joining_or_leaving_moves_only_its_own_sessions() -> None:
+    keys = sessions(3000)
+    before = {s: HashRing(["r0", "r1", "r2"]).walk(s)[0] for s in keys}
+    grown = {s: HashRing(["r0", "r1", "r2", "r3"]).walk(s)[0] for s in keys}
+    moved = [s for s in keys if before[s] != grown[s]]
+    assert all(grown[s] == "r3" for s in moved)  # sessions only move to the newcomer
+    assert 0.15 < len(moved) / len(keys) < 0.35  # about a quarter of them, not a reshuffle
+    shrunk = {s: HashRing(["r0", "r2"]).walk(s)[0] for s in keys}
+    for s in keys:
+        if before[s] != "r1":
+            assert shrunk[s] == before[s]  # only the dead replica's sessions move
+
+
+def test_bounded_load_spills_a_session_only_past_the_cap() -> None:
+    policy = Policy(load_factor=1.25)
+    session = sessions(1)[0]
+    home = policy.decide(RouteHint(session=session), replicas(0, 0)).ranking[0]
+    other = "r1" if home == "r0" else "r0"
+    load = {home: 5, other: 5}
+    assert policy.decide(RouteHint(session=session), replicas(load["r0"], load["r1"])).ranking[0] == home
+    # mean = (12 + 1 + 1) / 2 = 7, cap = max(1.25 x 7, 7 + 4) = 11: the home replica at 12 is over it.
+    load = {home: 12, other: 1}
+    assert load_cap(replicas(12, 1), 1.25, 4) == 11
+    decision = policy.decide(RouteHint(session=session), replicas(load["r0"], load["r1"]))
+    assert decision.ranking[0] == other and decision.reason == "session"
+
+
+def test_the_longest_cached_prefix_wins_unless_that_replica_is_overloaded() -> None:
+    rng = random.Random(0)
+    system = [rng.randrange(1000) for _ in range(10 * BS)]
+    keys = {short_key(k) for k in prefix_chain(system, BS)}
+    partial = {short_key(k) for k in prefix_chain(system[:3 * BS], BS)}
+    prompt = system + [rng.randrange(1000) for _ in range(40)]
+    policy = Policy()
+    state = replicas(3, 0, 1, r0={"prefix": frozenset(keys)}, r2={"prefix": frozenset(partial)})
+    decision = policy.decide(RouteHint(prompt=prompt), state)
+    assert (decision.ranking[0], decision.reason, decision.matched_blocks) == ("r0", "prefix", 10)
+    # The same prefix under other extra keys (an adapter, a cache salt) is a different cache entry.
+    assert policy.decide(RouteHint(prompt=prompt, extra_keys=(("lora", "x"),)), state).reason == "least_loaded"
+    overloaded = replicas(9, 0, 1, r0={"prefix": frozenset(keys)}, r2={"prefix": frozenset(partial)})
+    decision = policy.decide(RouteHint(prompt=prompt), overloaded)
+    assert (decision.ranking[0], decision.matched_blocks) == ("r2", 3)
+
+
+def test_router_memory_finds_a_prefix_before_any_replica_publishes_it() -> None:
+    rng = random.Random(1)
+    turn1 = [rng.randrange(1000) for _ in range(5 * BS + 3)]
+    turn2 = turn1 + [rng.randrange(1000) for _ in range(30)]
+    memory = PrefixMemory()
+    memory.remember(turn1[:-1], (), BS, "r1")
+    decision = Policy().decide(RouteHint(prompt=turn2), replicas(0, 0), memory)
+    assert (decision.ranking[0], decision.reason, decision.matched_blocks) == ("r1", "prefix", 5)
+    memory.forget("r1")
+    assert Policy().decide(RouteHint(prompt=turn2), replicas(0, 0), memory).reason == "least_loaded"
+    assert len(memory) == 0
+
+
+def test_an_adapter_prefers_a_replica_where_it_is_resident() -> None:
+    state = replicas(2, 0, 1, r0={"adapters": frozenset({"a:1"})}, r2={"adapters": frozenset({"a:1"})})
+    decision = Policy().decide(RouteHint(adapter="a:1"), state)
+    assert (decision.ranking[0], decision.reason) == ("r2", "adapter")
+    assert Policy().decide(RouteHint(adapter="b:2"), state).ranking[0] == "r1"
+
+
+def test_otherwise_the_least_loaded_replica_and_a_full_ranking() -> None:
+    state = replicas(4, 1, 7, r1={"kv_usage": 0.9}, r0={"kv_usage": 0.1})
+    decision = Policy().decide(RouteHint(), state)
+    assert decision.reason == "least_loaded"
+    # Load per slot plus KV use: 4/8 + 0.1 < 7/8 + 0 < 1/8 + 0.9 (a replica whose KV is nearly full ranks last).
+    assert decision.ranking == ["r0", "r2", "r1"]
+    # A replica that already failed this request comes last in nothing: it is left out while others live.
+    assert "r1" not in Policy().decide(RouteHint(avoid=frozenset({"r1"})), state).ranking
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefix_chain_is_the_engines_own_cache_key(seed: int) -> None:
+    """The router's keys are the block manager's: a prompt the engine cached is found by its chain."""
+    rng = random.Random(seed)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, dtype=None)  # type: ignore[arg-type]
+    blocks = BlockManager(layout, num_blocks=256)
+    tokens = [rng.randrange(5000) for _ in range(rng.randrange(3, 9) * BS + rng.randrange(BS))]
+    extra = (("lora", f"a{seed}"),) if seed else ()
+    seq = blocks.new_sequence()
+    assert blocks.allocate(seq, len(tokens))
+    seq.lens[:] = len(tokens)
+    blocks.commit_full_blocks(seq, tokens, extra)
+    published = {short_key(k) for k in blocks.cached_keys(10_000)}
+    chain = [short_key(k) for k in prefix_chain(tokens, BS, extra)]
+    assert chain and set(chain) == published
