@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -189,19 +188,3 @@ class FleetClient:
     def close(self) -> None:
         self._stop.set()
 
-
-def wait_for_replicas(model: str, count: int, timeout_s: float = 120.0) -> list[str]:
-    """Block until `count` replicas of the model's deployment are running; returns their ids."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = serve.status().applications.get(app_name(model))
-        replicas = []
-        if status is not None and DEPLOYMENT in status.deployments:
-            dep = status.deployments[DEPLOYMENT]
-            running = dep.replica_states.get("RUNNING", 0)
-            if running >= count:
-                return [str(running)]
-            replicas = [str(running)]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{model}: {replicas or 0} of {count} replicas running after {timeout_s:.0f} s")
-        time.sleep(0.25)

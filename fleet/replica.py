@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,9 @@ def replica_name() -> str:
 
 
 def adapter_root() -> Path:
-    return Path(os.environ.get("HEARTH_DATA_DIR", ".data")) / "fleet-adapters"
+    """Where this node keeps adapters it fetched: the data dir when the deployment names one."""
+    data = os.environ.get("HEARTH_DATA_DIR")
+    return Path(data) / "fleet-adapters" if data else Path(tempfile.gettempdir()) / "hearth-fleet-adapters"
 
 
 class EngineReplica:

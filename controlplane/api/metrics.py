@@ -79,6 +79,16 @@ class EngineCollector(Collector):
             for i, rate in enumerate(getattr(metrics, "spec_per_position_acceptance", None) or (), start=1):
                 positions.add_metric([model, str(i)], float(rate))
         yield positions
+        # The same gauges per engine replica: on a fleet, which replica is hot, full or cold.
+        replicas = backend.replica_metrics() if backend is not None else []
+        for field, doc in {**_ENGINE_GAUGES, **_ENGINE_COUNTERS}.items():
+            family = GaugeMetricFamily(f"hearth_replica_{field}", f"{doc}, per engine replica",
+                                       labels=["model", "replica"])
+            for model, replica, metrics in replicas:
+                value = getattr(metrics, field, None)
+                if value is not None:
+                    family.add_metric([model, replica], float(value))
+            yield family
 
 
 REGISTRY.register(EngineCollector())

@@ -45,16 +45,16 @@ def _series(account: Account, start: datetime, end: datetime) -> tuple[dict[str,
 
 
 def engines() -> list[dict[str, Any]]:
-    """One entry per loaded text-generation engine; none before the first request loads one (the dashboard must
-    never load a model by looking)."""
+    """One entry per running text-generation engine replica (one per model in process); none before the first
+    request loads one (the dashboard must never load a model by looking)."""
     backend = current_backend()
     if backend is None:
         return []
     out = []
-    for model, m in sorted(backend.metrics().items()):
-        out.append({"model": model, "kv_usage": m.kv_usage, "kv_blocks_total": m.kv_blocks_total,
+    for model, replica, m in backend.replica_metrics():
+        out.append({"model": model, "replica": replica, "kv_usage": m.kv_usage, "kv_blocks_total": m.kv_blocks_total,
                     "kv_blocks_free": m.kv_blocks_free, "running": m.running, "queue_depth": m.queue_depth,
-                    "tokens_per_s": m.tokens_per_s})
+                    "tokens_per_s": m.tokens_per_s, "prefix_cache_hit_rate": m.prefix_cache_hit_rate})
     return out
 
 

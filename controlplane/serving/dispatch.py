@@ -53,6 +53,8 @@ class Load:
         return self.waiting > 0 or self.running >= self.slots
 
 
+LOCAL_REPLICA = "local"  # the replica label of an engine in this process
+
 # Requests finish at an unknown rate until some have; estimate one's length from the engine's averages.
 ASSUMED_OUTPUT_TOKENS = 128
 
@@ -105,7 +107,11 @@ class Backend(Protocol):
 
     async def embed(self, model: str, texts: list[str]) -> EmbeddingResult: ...
 
-    def metrics(self) -> Mapping[str, EngineMetrics]: ...
+    def metrics(self) -> Mapping[str, EngineMetrics]:
+        """Each running model's engine gauges (over all its replicas, on a fleet)."""
+
+    def replica_metrics(self) -> list[tuple[str, str, EngineMetrics]]:
+        """(model, replica, gauges) for every engine replica; one per model in process, replica "local"."""
 
     def load(self, model: str) -> Load | None:
         """The model's load now; None when its engine is not running here (nothing is waiting for it)."""
@@ -237,6 +243,9 @@ class InProcessBackend:
 
     def metrics(self) -> Mapping[str, EngineMetrics]:
         return {name: engine.metrics() for name, engine in list(self._engines.items())}
+
+    def replica_metrics(self) -> list[tuple[str, str, EngineMetrics]]:
+        return [(model, LOCAL_REPLICA, m) for model, m in sorted(self.metrics().items())]
 
     def load(self, model: str) -> Load | None:
         engine = self._engines.get(model)

@@ -19,7 +19,7 @@ from controlplane.serving.dispatch import (
     check_prompt_chars,
 )
 from fleet.app import ModelDeployment
-from fleet.client import FleetClient, ReplicaMetrics
+from fleet.client import FleetClient
 from inference import EngineMetrics, GenerationRequest, ModelInfo, RequestOutput
 from inference.constrained import Constraint
 
@@ -72,8 +72,8 @@ class RayBackend:
     def metrics(self) -> Mapping[str, EngineMetrics]:
         return {model: combined([r.metrics for r in rs]) for model, rs in self.client.model_metrics().items()}
 
-    def replica_metrics(self) -> list[ReplicaMetrics]:
-        return self.client.replica_metrics()
+    def replica_metrics(self) -> list[tuple[str, str, EngineMetrics]]:
+        return [(r.model, r.replica, r.metrics) for r in self.client.replica_metrics()]
 
     def load(self, model: str) -> Load | None:
         """Over every replica, from the last metrics poll (never a call on the request's path)."""

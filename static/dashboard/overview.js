@@ -49,12 +49,13 @@
       const row = document.createElement("tr");
       const meter = document.createElement("meter");
       meter.min = 0; meter.max = 1; meter.value = e.kv_usage;
-      const cells = [e.model, null, e.running, e.queue_depth, e.tokens_per_s.toFixed(1)].map((text) => {
+      const cells = [e.model, e.replica, null, e.running, e.queue_depth,
+        Math.round(e.prefix_cache_hit_rate * 100) + "%", e.tokens_per_s.toFixed(1)].map((text) => {
         const td = document.createElement("td");
         if (text !== null) td.textContent = text;
         return td;
       });
-      cells[1].append(meter, " " + Math.round(e.kv_usage * 100) + "%");
+      cells[2].append(meter, " " + Math.round(e.kv_usage * 100) + "%");
       row.append(...cells);
       return row;
     }));

@@ -3,10 +3,12 @@ session affinity, prefix-aware routing, the replica header and usage, a replica 
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -41,6 +43,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, live_server_url: str) -> Ite
     deploy([ModelDeployment(model=CHAT_MODEL, source=str(tiny), replicas=2, num_cpus=0.5,
                             engine_settings={"kv_cache_memory": "64MiB", "max_num_seqs": 8, "dtype": "float32"})])
     backend = RayBackend(FleetClient())
+    backend.tiny = tiny  # type: ignore[attr-defined]  (what the replicas load)
     previous = set_backend(backend)
     yield backend
     set_backend(previous)
@@ -71,6 +74,17 @@ def kill(replica: str) -> None:
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
             return
     raise AssertionError(f"no replica actor {replica}")
+
+
+def serving_replicas(backend, count: int, timeout: float = 90.0) -> set[str]:
+    """The replicas answering the model's handle, once there are `count` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        backend.client.refresh_metrics()
+        replicas = {replica for model, replica, _ in backend.replica_metrics() if model == CHAT_MODEL}
+        if len(replicas) >= count or time.monotonic() > deadline:
+            return replicas
+        time.sleep(0.5)
 
 
 def test_a_session_stays_on_its_replica_and_reads_its_cache(fleet, live):  # noqa: F811
@@ -152,12 +166,95 @@ def test_a_replica_killed_under_load_gives_clean_answers_and_the_fleet_recovers(
     assert sorted(outcomes) == sorted(["ok"] * 5 + [o for o in outcomes if o.startswith("stream")])
     assert "stream-error" in outcomes
     # Serve replaces the dead replica; requests flow again, and none goes to the dead one.
-    deadline = time.monotonic() + 90
-    while len(running_replicas()) < before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert len(running_replicas()) == before
+    assert before == 2
+    replicas = serving_replicas(fleet, 2)
+    assert len(replicas) == 2 and victim not in replicas
     for i in range(4):
         reply, replica = chat(client, [{"role": "user", "content": f"after the crash {i}"}], f"after-{i}")
         assert reply.choices[0].finish_reason in ("stop", "length") and replica != victim
     errors = UsageEvent.objects.filter(http_status=500).count()
     assert errors == 0
+
+
+def test_metrics_and_the_dashboard_show_every_replica(fleet, live):  # noqa: F811
+    import httpx
+
+    from controlplane.dashboard import stats
+
+    url, tenant = live
+    client = client_for(url, tenant)
+    served = {chat(client, [{"role": "user", "content": f"hello {i}"}], f"metrics-{i}")[1] for i in range(6)}
+    replicas = serving_replicas(fleet, 2)
+    assert len(replicas) == 2 and served <= replicas
+    text = httpx.get(f"{url}/metrics").text
+    for replica in replicas:
+        assert f'hearth_replica_requests_finished_total{{model="{CHAT_MODEL}",replica="{replica}"}}' in text
+        assert f'hearth_replica_kv_usage{{model="{CHAT_MODEL}",replica="{replica}"}}' in text
+    # The model's own gauges add up its replicas.
+    total = sum(m.requests_finished_total for model, _, m in fleet.replica_metrics() if model == CHAT_MODEL)
+    assert f'hearth_engine_requests_finished_total{{model="{CHAT_MODEL}"}} {float(total)}' in text
+    rows = [e for e in stats.engines() if e["model"] == CHAT_MODEL]
+    assert {e["replica"] for e in rows} == replicas
+    assert all(0.0 <= e["prefix_cache_hit_rate"] <= 1.0 for e in rows)
+
+
+@pytest.mark.redis
+def test_a_batch_finishes_exactly_once_when_a_replica_dies(fleet, live, batch_worker, caplog):  # noqa: F811
+    import io
+    import json
+
+    url, tenant = live
+    client = client_for(url, tenant)
+    rows = [{"custom_id": f"item-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": CHAT_MODEL, "messages": [{"role": "user", "content": f"Tell story {i}."}],
+                      "max_tokens": 300, "temperature": 0}} for i in range(12)]
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    file_id = client.files.create(file=("requests.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)
+    fleet.client.refresh_metrics()
+    busiest = max((m.running, replica) for model, replica, m in fleet.replica_metrics() if model == CHAT_MODEL)
+    caplog.set_level("WARNING", logger="fleet.client")
+    kill(busiest[1])
+    deadline = time.monotonic() + 180
+    while (done := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired"):
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.25)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
+    output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(r["custom_id"] for r in rows)  # each once
+    assert all(o["response"]["status_code"] == 200 for o in output)
+    # Billed exactly once per item, whatever ran twice.
+    billed = UsageEvent.objects.filter(source="batch", status="ok", route="openai.chat")
+    assert billed.count() == 12
+    assert len(serving_replicas(fleet, 2)) == 2
+    # The kill did land mid-item: items lost their replica and ran again elsewhere.
+    assert "lost its replica" in caplog.text
+
+
+async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_path):
+    """No replica reads the web server's disk: the adapter's bytes travel by digest, are verified, cached on the
+    replica's node, and give the same greedy tokens as the adapter loaded locally."""
+    from fleet.adapters import digest, read_files
+    from inference import LLM, EngineConfig, GenerationRequest, LoRARequest, SamplingParams
+    from tests.lora_support import make_peft_adapter
+
+    folder = make_peft_adapter(fleet.tiny, tmp_path / "adapter", rank=4, seed=3, strength=2.0)
+    lora = LoRARequest("tiny-style:1", folder)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompt = list(range(100, 140))
+    reference = LLM(str(fleet.tiny), EngineConfig(dtype="float32", kv_cache_memory="32MiB"))
+    want = reference.generate_requests([GenerationRequest(prompt_token_ids=prompt, params=params, lora=lora)])[0]
+    base = await fleet.generate(CHAT_MODEL, GenerationRequest(prompt_token_ids=prompt, params=params))
+    adapted = [await fleet.generate(CHAT_MODEL, GenerationRequest(prompt_token_ids=prompt, params=params, lora=lora))
+               for _ in range(3)]
+    assert all(out.token_ids == want.token_ids for out in adapted) and base.token_ids != want.token_ids
+    # Later requests found the adapter resident and went where it already was.
+    assert len({out.replica for out in adapted[1:]}) == 1
+    cached = [p for p in (Path(tempfile.gettempdir()) / "hearth-fleet-adapters").glob("*") if p.is_dir()]
+    assert digest(read_files(folder)) in {p.name for p in cached}
