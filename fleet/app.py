@@ -18,7 +18,9 @@ log = logging.getLogger("fleet")
 
 NAMESPACE = "hearth"
 DEPLOYMENT = "engine"
-STATS_PERIOD_S = 0.5  # how often replicas publish load and prefix-cache summaries to routers
+STATS_PERIOD_S = 0.5
+HEARTH_ROUTER = "fleet.router:HearthRouter"
+SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"  # how often replicas publish load and prefix-cache summaries to routers
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,7 @@ class ModelDeployment:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     router: Mapping[str, Any] = field(default_factory=dict)  # HearthRouter's settings (load_factor, ...)
+    request_router: str = HEARTH_ROUTER  # another import path only to compare (Serve's own, in benchmarks)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.num_cpus <= 0 or self.num_gpus < 0:
@@ -91,7 +94,8 @@ def build(spec: ModelDeployment) -> Any:
         # behind, so the cap is a few times its sequence slots (calls to encode and compile count too).
         max_ongoing_requests=4 * slots + 16, health_check_period_s=2.0, graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
-            request_router_class="fleet.router:HearthRouter", request_router_kwargs=dict(spec.router),
+            request_router_class=spec.request_router,
+            request_router_kwargs=dict(spec.router) if spec.request_router == HEARTH_ROUTER else {},
             request_routing_stats_period_s=STATS_PERIOD_S, request_routing_stats_timeout_s=5.0),
         **scale)
     return deployment.bind(spec.source or spec.model, dict(spec.engine_settings))

@@ -47,9 +47,11 @@ class HearthRouter(RequestRouter):
     def _state(self, replica: RunningReplica) -> ReplicaState:
         label = replica_label(replica.replica_id)
         stats = replica.routing_stats or {}
-        engine_load = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+        # Load is what this router has in flight there: exact and current, where the replica's own count is up
+        # to a stats period old (a burst would all go to the replica that looked idle half a second ago).
+        # Other routers' requests show in the replica's KV use, and Serve's per-replica cap bounds the total.
         return ReplicaState(
-            id=label, load=max(engine_load, self.inflight[label]), slots=int(stats.get("slots", 1)),
+            id=label, load=self.inflight[label], slots=int(stats.get("slots", 1)),
             kv_usage=float(stats.get("kv_usage", 0.0)), prefix=self._prefix(label, stats.get("prefix", b"")),
             adapters=frozenset(stats.get("adapters", ())), block_size=int(stats.get("block_size", 16)))
 
@@ -64,23 +66,35 @@ class HearthRouter(RequestRouter):
         self.decisions[decision.reason] += 1
         ranked = [by_label[label] for label in decision.ranking]
         if pending_request is not None:
+            self._claim(pending_request, hint, ranked[0])
             # Every rank was full: wait a little before asking again instead of spinning.
             pending_request.routing_context.should_backoff = True
         return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        label = replica_label(replica_id)
+    def _claim(self, pending_request: PendingRequest, hint: RouteHint, replica: RunningReplica) -> None:
+        """Count the request against its first choice now, and remember where its prefix goes. Serve calls
+        on_request_routed only in its strict queue mode, and a burst of requests is routed before any of them
+        is sent: counting at choice time is what spreads a burst. The first rank is one replica whose queue
+        is far from Serve's cap, so the choice is almost always where the request goes; a re-choice (after
+        a backoff) moves the count."""
+        internal = pending_request.metadata.internal_request_id
+        label = replica_label(replica.replica_id)
+        previous = self._sent.get(internal)
+        if previous == label:
+            return
+        if previous is not None and self.inflight[previous] > 0:
+            self.inflight[previous] -= 1
+        self._sent[internal] = label
         self.inflight[label] += 1
-        self._sent[pending_request.metadata.internal_request_id] = label
-        hint = _hint(pending_request)
         if hint.prompt:
-            state = self.curr_replicas.get(replica_id)
-            block_size = int(((state.routing_stats if state else None) or {}).get("block_size", 16))
+            block_size = int((replica.routing_stats or {}).get("block_size", 16))
             self.memory.remember(hint.prompt[:-1], hint.extra_keys, block_size, label)
 
+
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        label = self._sent.pop(internal_request_id, replica_label(replica_id))
-        if self.inflight[label] > 0:
+        label = self._sent.pop(internal_request_id, None)
+        if label is not None and self.inflight[label] > 0:
             self.inflight[label] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

@@ -35,7 +35,7 @@ class ReplicaState:
     """What the router knows of one replica: its own published stats and the router's in-flight count."""
 
     id: str
-    load: int  # sequences waiting + running (or requests in flight from this router, whichever is larger)
+    load: int  # requests in flight there from this router
     slots: int = 1  # the engine's sequence slots
     kv_usage: float = 0.0
     prefix: frozenset[bytes] = frozenset()  # short keys of the prefix-cache groups it holds
