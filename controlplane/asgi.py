@@ -54,6 +54,7 @@ api_app = ApiASGIHandler()
 UPLOAD_PATHS = re.compile(r"^/(client/v4/accounts/[^/]+/ai/finetunes|dashboard/[^/]+/adapters/)")
 FILE_PATHS = re.compile(r"^/(v1/|client/v4/accounts/[^/]+/ai/v1/)files$")
 OPENAI_PATHS = re.compile(r"^/(v1/|client/v4/accounts/[^/]+/ai/v1/)")
+ANTHROPIC_PATHS = re.compile(r"^/(v1/|client/v4/accounts/[^/]+/ai/v1/)messages(/count_tokens)?$")
 UPLOAD_SLACK = 16 * 1024 * 1024  # the multipart framing and the form's other fields
 
 
@@ -78,7 +79,8 @@ def _declared_length(scope: dict[str, Any]) -> int | None:
 
 
 async def _refuse(send: Any, path: str, error: Any) -> None:
-    response = error.response("openai" if OPENAI_PATHS.match(path) else "native")
+    style = ("anthropic" if ANTHROPIC_PATHS.match(path) else "openai" if OPENAI_PATHS.match(path) else "native")
+    response = error.response(style)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(response.content)).encode()),
                (b"connection", b"close")]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
@@ -118,7 +120,10 @@ async def http_router(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope.get("path", "")
     app = api_app if API_PATHS.match(path) else django_app
     if scope.get("method") in ("POST", "PUT", "PATCH"):
-        if app is api_app and _header(scope, b"authorization") is None:
+        # Anthropic's clients send their key as x-api-key.
+        keyed = _header(scope, b"authorization") is not None or (
+            ANTHROPIC_PATHS.match(path) is not None and _header(scope, b"x-api-key") is not None)
+        if app is api_app and not keyed:
             await _refuse(send, path, errors.unauthorized("Missing API key: send `Authorization: Bearer <key>`"))
             return
         limit = _body_limit(path)

@@ -13,6 +13,7 @@ from controlplane.api import openapi
 from controlplane.api.views import healthz, metrics
 from controlplane.batches import views as batches
 from controlplane.catalog import views as catalog
+from controlplane.serving import views_anthropic as anthropic
 from controlplane.serving import views_native as native
 from controlplane.serving import views_openai as openai
 from controlplane.usage import views as usage
@@ -25,6 +26,8 @@ def _openai_routes(prefix: str, name: str) -> list:
         path(f"{prefix}chat/completions", openai.chat_completions, name=f"{name}-chat"),
         path(f"{prefix}completions", openai.completions, name=f"{name}-completions"),
         path(f"{prefix}embeddings", openai.embeddings, name=f"{name}-embeddings"),
+        path(f"{prefix}messages", anthropic.messages, name=f"{name}-messages"),
+        path(f"{prefix}messages/count_tokens", anthropic.count_tokens, name=f"{name}-messages-count-tokens"),
         path(f"{prefix}files", batches.files, name=f"{name}-files"),
         path(f"{prefix}files/<str:file_id>", batches.file_detail, name=f"{name}-file"),
         path(f"{prefix}files/<str:file_id>/content", batches.file_content, name=f"{name}-file-content"),

@@ -454,6 +454,7 @@ class LLMEngine:
             all_logprobs=all_logprobs,
             speculation=seq.spec_stats.as_dict() if seq.spec_stats.proposed else None,
             kv_compression=self._compression_report(seq),
+            stop_str=seq.stop_matcher.stop_str if seq.finished and seq.stop_matcher is not None else None,
             constrained=self.constrained.report(seq),
             error=seq.error,
         )

@@ -78,3 +78,4 @@ class RequestOutput:
     kv_compression: dict | None = None  # target, compressions, evicted entries, cached vs uncompressed entries
     constrained: dict | None = None  # jump-forward tokens proposed / accepted, when the request has a constraint
     replica: str | None = None  # which engine replica produced it, when a fleet serves the model
+    stop_str: str | None = None  # the stop string that ended it (finish_reason STOP), if one did

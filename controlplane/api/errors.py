@@ -54,6 +54,15 @@ _OPENAI_TYPES = {
 }
 
 
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
 def openai_error_type(status: int) -> str:
     return _OPENAI_TYPES.get(status, "invalid_request_error")
 
@@ -82,7 +91,18 @@ class ApiError(Exception):
                           "param": self.param, "code": self.openai_code}}
         return _json(body, status, self.headers)
 
+    def anthropic_response(self) -> HttpResponse:
+        status = self.openai_status or self.status
+        return _json(self.anthropic_body(), status, self.headers)
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's envelope: {"type": "error", "error": {"type", "message"}}."""
+        return {"type": "error", "error": {"type": anthropic_error_type(self.openai_status or self.status),
+                                           "message": self.message}}
+
     def response(self, style: str) -> HttpResponse:
+        if style == "anthropic":
+            return self.anthropic_response()
         return self.openai_response() if style == "openai" else self.native_response()
 
     @property

@@ -224,3 +224,109 @@ class EmbeddingRequest(StrictBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Integer | None = None
     user: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ Anthropic Messages
+class CacheControl(StrictBody):
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class AnthropicText(StrictBody):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = Field(None, description="Accepted; every prefix is cached anyway.")
+
+
+class AnthropicToolUse(StrictBody):
+    """A call the assistant made earlier in the conversation."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class AnthropicToolResult(StrictBody):
+    """The client's answer to a tool_use block."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicText] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+AnthropicBlock = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")]
+
+
+class AnthropicMessage(StrictBody):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicBlock]
+
+
+class AnthropicTool(StrictBody):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(description="The input's JSON schema (an object schema).")
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class AnthropicToolChoice(StrictBody):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, description="With type tool: the tool to call.")
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicMetadata(StrictBody):
+    user_id: str | None = None
+
+
+class AnthropicCountTokensRequest(StrictBody):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicText] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+
+class AnthropicJsonFormat(StrictBody):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(StrictBody):
+    format: AnthropicJsonFormat | None = Field(None, description="Structured output: the answer is held to the "
+                                               "JSON schema by the grammar.")
+    effort: str | None = Field(None, description="Accepted and ignored.")
+
+
+class AnthropicThinking(StrictBody):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    """Anthropic's Messages API (the `anthropic` SDK's `messages.create` / `messages.stream`). Fields that
+    steer Anthropic's own service (tiers, regions, containers, diagnostics) are accepted and ignored."""
+
+    max_tokens: Integer = Field(description="Tokens to generate at most (required, >= 1).")
+    temperature: float | None = Field(None, description="0 to 1 (Anthropic's range; 1 by default).")
+    top_p: float | None = None
+    top_k: Integer | None = None
+    stop_sequences: list[str] | None = Field(None, description="Up to 16 stop strings.")
+    stream: bool = False
+    metadata: AnthropicMetadata | None = None
+    output_config: AnthropicOutputConfig | None = None
+    thinking: AnthropicThinking | None = Field(None, description="disabled or adaptive; no model here thinks.")
+    cache_control: CacheControl | None = Field(None, description="Accepted; every prefix is cached anyway.")
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    container: Any = None
+    diagnostics: Any = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None

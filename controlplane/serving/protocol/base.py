@@ -114,15 +114,17 @@ class Endpoint(ABC):
             async for event in self.events(gen, created):
                 yield event
         except EngineError as exc:
-            error = errors.from_engine(exc, gen.job.model)
-            yield self.stream_error(error)
-            yield SSE_DONE
+            yield self.stream_error(errors.from_engine(exc, gen.job.model))
 
     def stream_error(self, error: errors.ApiError) -> bytes:
+        """The end of a stream that failed after it began: an error event in the route's envelope, then the
+        route's end marker."""
         if self.style == "openai":
-            return sse({"error": {"message": error.message, "type": errors.openai_error_type(error.status),
-                                  "param": error.param, "code": error.openai_code}})
-        return sse({"error": {"code": error.code, "message": error.message}})
+            event = sse({"error": {"message": error.message, "type": errors.openai_error_type(error.status),
+                                   "param": error.param, "code": error.openai_code}})
+        else:
+            event = sse({"error": {"code": error.code, "message": error.message}})
+        return event + SSE_DONE
 
 
 async def choice_outputs(gen: pipeline.Generation) -> AsyncIterator[tuple[Choice, RequestOutput]]:
