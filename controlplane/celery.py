@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 app = Celery("hearth")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["controlplane.batches"])
+app.autodiscover_tasks(["controlplane.batches", "controlplane.serving"])
 
 
 def ensure_broker_dirs() -> None:

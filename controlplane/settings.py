@@ -285,6 +285,8 @@ HEARTH_BATCH_DEFAULT_WINDOW_HOURS = env_int("HEARTH_BATCH_DEFAULT_WINDOW_HOURS",
 # Finished batches keep their results (items, output and error files) this long, then the cleanup task
 # removes them.
 HEARTH_BATCH_RETENTION_HOURS = env_int("HEARTH_BATCH_RETENTION_HOURS", 30 * 24)
+# OpenAI Responses stored with store=true (the default) are kept this long, then removed by the periodic cleanup.
+HEARTH_RESPONSES_RETENTION_HOURS = env_int("HEARTH_RESPONSES_RETENTION_HOURS", 30 * 24)
 # Batch usage is billed at this discount (percent off neurons) unless the model's price row sets its own.
 HEARTH_BATCH_DISCOUNT_PERCENT = Decimal(os.environ.get("HEARTH_BATCH_DISCOUNT_PERCENT", "0"))
 

@@ -16,6 +16,7 @@ from controlplane.catalog import views as catalog
 from controlplane.serving import views_anthropic as anthropic
 from controlplane.serving import views_native as native
 from controlplane.serving import views_openai as openai
+from controlplane.serving import views_responses as responses
 from controlplane.usage import views as usage
 
 
@@ -26,6 +27,10 @@ def _openai_routes(prefix: str, name: str) -> list:
         path(f"{prefix}chat/completions", openai.chat_completions, name=f"{name}-chat"),
         path(f"{prefix}completions", openai.completions, name=f"{name}-completions"),
         path(f"{prefix}embeddings", openai.embeddings, name=f"{name}-embeddings"),
+        path(f"{prefix}responses", responses.responses, name=f"{name}-responses"),
+        path(f"{prefix}responses/<str:response_id>", responses.response_detail, name=f"{name}-response"),
+        path(f"{prefix}responses/<str:response_id>/cancel", responses.response_cancel,
+             name=f"{name}-response-cancel"),
         path(f"{prefix}messages", anthropic.messages, name=f"{name}-messages"),
         path(f"{prefix}messages/count_tokens", anthropic.count_tokens, name=f"{name}-messages-count-tokens"),
         path(f"{prefix}files", batches.files, name=f"{name}-files"),

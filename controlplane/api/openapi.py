@@ -17,11 +17,14 @@ from controlplane.adapters.schemas import FinetuneCreate
 from controlplane.api.http import json_response
 from controlplane.batches.schemas import BatchCreate, NativePoll, NativeQueueRequest
 from controlplane.serving.schemas import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     NativeEmbeddings,
     NativeTextGeneration,
+    ResponsesRequest,
 )
 
 ACCOUNT = {"name": "account_id", "in": "path", "required": True, "schema": {"type": "string"},
@@ -29,12 +32,15 @@ ACCOUNT = {"name": "account_id", "in": "path", "required": True, "schema": {"typ
 MODEL = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
          "description": "A catalog model name such as @hearth/smollm2-135m-instruct (slashes may be %-encoded)."}
 AFFINITY = {"name": "x-session-affinity", "in": "header", "required": False, "schema": {"type": "string"},
-            "description": "Opaque session id; recorded on the usage event (routing by it comes with scale-out)."}
+            "description": "Opaque session id, recorded on the usage event; on a fleet it keeps the "
+            "conversation on one replica (its prefix cache)."}
 ENVELOPE = {"type": "object", "properties": {
     "result": {}, "success": {"type": "boolean"},
     "errors": {"type": "array", "items": {"type": "object", "properties": {
         "code": {"type": "integer"}, "message": {"type": "string"}}}},
     "messages": {"type": "array", "items": {"type": "string"}}}}
+ANTHROPIC_ERROR = {"type": "object", "properties": {"type": {"const": "error"}, "error": {"type": "object", "properties": {
+    "type": {"type": "string"}, "message": {"type": "string"}}}}}
 OPENAI_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}}}}
@@ -46,7 +52,7 @@ class Operation:
     path: str
     summary: str
     tag: str
-    style: str = "native"  # native (Cloudflare envelope) | openai
+    style: str = "native"  # native (Cloudflare envelope) | openai | anthropic
     body: tuple[type[BaseModel], ...] = ()
     params: tuple[dict[str, Any], ...] = ()
     streams: bool = False
@@ -67,6 +73,7 @@ _NATIVE_QUEUE = (" Async batch: with ?queueRequest=true (or options.queueRequest
                  "with {status: queued, request_id, model}; POST {\"request_id\"} to poll: queued or running, "
                  "then {responses: [{id, result, success, external_reference}], usage}. Another account's "
                  "request_id is 404.")
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 FILE_ID = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}
 BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
 PAGE = ({"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
@@ -160,6 +167,25 @@ OPERATIONS: tuple[Operation, ...] = (
               body=(CompletionRequest,), params=(AFFINITY,), streams=True, errors=(400, 401, 403, 404, 429)),
     Operation("post", "/v1/embeddings", "Embeddings (OpenAI)", "OpenAI", style="openai",
               body=(EmbeddingRequest,), params=(AFFINITY,), errors=(400, 401, 403, 404, 429)),
+    Operation("post", "/v1/responses", "Create a response (OpenAI Responses)", "OpenAI", style="openai",
+              body=(ResponsesRequest,), params=(AFFINITY,), streams=True, errors=(400, 401, 403, 404, 429),
+              description="input (a string or items: messages, function_call, function_call_output), "
+              "instructions, tools, text.format, stream. store (default true) keeps it for GET and for "
+              "previous_response_id (another account's id is a 404); background: true queues it at batch "
+              "priority and answers at once with status queued: poll GET."),
+    Operation("get", "/v1/responses/{response_id}", "Retrieve a stored response (OpenAI Responses)", "OpenAI",
+              style="openai", params=(RESPONSE_ID,), errors=(401, 404)),
+    Operation("delete", "/v1/responses/{response_id}", "Delete a stored response (OpenAI Responses)", "OpenAI",
+              style="openai", params=(RESPONSE_ID,), errors=(401, 404)),
+    Operation("post", "/v1/responses/{response_id}/cancel", "Cancel a background response (OpenAI Responses)",
+              "OpenAI", style="openai", params=(RESPONSE_ID,), errors=(400, 401, 404)),
+    Operation("post", "/v1/messages", "Messages (Anthropic)", "Anthropic", style="anthropic",
+              body=(AnthropicMessagesRequest,), params=(AFFINITY,), streams=True, errors=(400, 401, 403, 404, 429),
+              description="The key as `x-api-key` or a bearer token; `anthropic-version` is accepted. Streams "
+              "Anthropic's events (message_start, content_block_start/delta/stop, message_delta, message_stop). "
+              "Prefix-cache hits are reported as usage.cache_read_input_tokens."),
+    Operation("post", "/v1/messages/count_tokens", "Count a conversation's tokens (Anthropic)", "Anthropic",
+              style="anthropic", body=(AnthropicCountTokensRequest,), errors=(400, 401, 403, 404, 429)),
     Operation("post", "/v1/files", "Upload a batch input file (OpenAI)", "OpenAI Batches", style="openai",
               form=FILE_UPLOAD, errors=(400, 401, 403, 413)),
     Operation("get", "/v1/files", "List files (OpenAI)", "OpenAI Batches", style="openai",
@@ -188,7 +214,7 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _operation(op: Operation) -> dict[str, Any]:
-    error_schema = OPENAI_ERROR if op.style == "openai" else ENVELOPE
+    error_schema = {"openai": OPENAI_ERROR, "anthropic": ANTHROPIC_ERROR}.get(op.style, ENVELOPE)
     content: dict[str, Any] = {"application/json": {"schema": ENVELOPE if op.style == "native" else {}}}
     if op.streams:
         content["text/event-stream"] = {"schema": {"type": "string"}}
@@ -206,6 +232,8 @@ def _operation(op: Operation) -> dict[str, Any]:
     }
     if op.description:
         doc["description"] = op.description
+    if op.style == "anthropic":
+        doc["security"] = [{"bearer": []}, {"apiKey": []}]
     if op.body:
         schema = _ref(op.body[0]) if len(op.body) == 1 else {"oneOf": [_ref(b) for b in op.body]}
         doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
@@ -222,7 +250,7 @@ def build_schema() -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op)
-        if op.style == "openai":
+        if op.style in ("openai", "anthropic"):
             # The same routes are mounted under the account, as Workers AI does.
             mounted = f"/client/v4/accounts/{{account_id}}/ai{op.path}"
             account_op = _operation(op)
@@ -235,7 +263,8 @@ def build_schema() -> dict[str, Any]:
                  "description": "Workers-AI-native and OpenAI-compatible inference, catalog, keys and usage."},
         "paths": paths,
         "components": {"schemas": defs.get("$defs", {}),
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
         "security": [{"bearer": []}],
     }
 

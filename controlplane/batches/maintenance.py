@@ -80,6 +80,12 @@ def sweep(now: datetime | None = None, *, startup: bool = False) -> dict[str, in
             "pk", flat=True):
         finalize(batch_id)
         counts["finalized"] += 1
+    from controlplane.serving import response_store, tasks  # background Responses share the safety net
+
+    lost_responses = response_store.unfinished(now)
+    for response_id in lost_responses:
+        tasks.send(response_id)
+    counts["responses_resent"] = len(lost_responses)
     return counts
 
 
@@ -96,4 +102,6 @@ def cleanup(now: datetime | None = None) -> dict[str, int]:
             Batch.objects.filter(pk=batch.pk).update(results_purged_at=now, output_file=None, error_file=None)
         purged += 1
     files = File.objects.filter(expires_at__lte=now).delete()[0]
-    return {"batches": purged, "items": items, "files": files}
+    from controlplane.serving import response_store
+
+    return {"batches": purged, "items": items, "files": files, "responses": response_store.cleanup(now)}

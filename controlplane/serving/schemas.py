@@ -330,3 +330,88 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     diagnostics: Any = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+
+
+# ------------------------------------------------------------------------------------------- OpenAI Responses
+class InputText(StrictBody):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(StrictBody):
+    """A conversation turn (the `type` may be left out, as the SDK allows)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(StrictBody):
+    """A call the model made earlier (sent back with its output)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(StrictBody):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+class ResponsesFunctionTool(StrictBody):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedFunction(StrictBody):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(StrictBody):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesText(StrictBody):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(StrictBody):
+    """OpenAI's Responses API (the openai SDK's `responses.create` / `responses.stream`)."""
+
+    model: str
+    input: str | list[InputItem] = Field(description="A user message, or a list of input items.")
+    instructions: str | None = Field(None, description="A system turn put first (not carried to continuations).")
+    previous_response_id: str | None = Field(None, description="Continue a stored response of this account.")
+    max_output_tokens: Integer | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = Field(None, description="text.format: text, json_object or json_schema.")
+    stream: bool = False
+    store: bool = Field(True, description="Keep the response (GET, DELETE, previous_response_id).")
+    background: bool = Field(False, description="Run at batch priority; poll GET /v1/responses/{id}.")
+    metadata: dict[str, str] | None = None
+    user: str | None = None

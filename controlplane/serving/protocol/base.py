@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, ClassVar
 
@@ -84,9 +84,11 @@ class Endpoint(ABC):
     def events(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
         """The SSE events of an opened stream."""
 
-    async def respond(self, adm: pipeline.Admission, *, affinity: str, started: float) -> HttpResponseBase:
+    async def respond(self, adm: pipeline.Admission, *, affinity: str, started: float,
+                      on_answer: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> HttpResponseBase:
         """Run an admitted job and answer it: whole, or as a stream. Usage is written once the answer is on
-        the wire (a stream's when it ends or the client leaves)."""
+        the wire (a stream's when it ends or the client leaves). `on_answer` gets the whole answer before it is
+        sent (a stream's, as its last event went out): the view's way to keep it (stored Responses)."""
         job = adm.job
         if job.work is Work.EMBED:
             result, after = await pipeline.embed(adm, session_affinity=affinity, started=started)
@@ -99,14 +101,17 @@ class Endpoint(ABC):
         if not job.stream:
             finals = await gen.collect()
             record = gen.usage_record()
-            payload = self.render(job, gen.run, finals, created)
-            return with_replica(ResponseWithAfterClose(dumps(payload), content_type="application/json",
+            answer = self.render(job, gen.run, finals, created)
+            if on_answer is not None:
+                await on_answer(answer)
+            return with_replica(ResponseWithAfterClose(dumps(answer), content_type="application/json",
                                                        after_close=lambda: pipeline.commit_usage(adm, record)),
                                 gen.run.replica())
         await gen.open_stream()
-        return with_replica(event_stream(self._guarded(gen, created)), gen.run.replica())
+        return with_replica(event_stream(self._guarded(gen, created, on_answer)), gen.run.replica())
 
-    async def _guarded(self, gen: pipeline.Generation, created: int) -> AsyncIterator[bytes]:
+    async def _guarded(self, gen: pipeline.Generation, created: int,
+                       on_answer: Callable[[dict[str, Any]], Awaitable[None]] | None) -> AsyncIterator[bytes]:
         """The stream's events; if the engine fails it mid-way (a fleet replica dies), an error event in the
         route's envelope and the end marker, so clients see a clean end rather than a cut connection. Usage
         records what was produced (the stream's own cleanup meters it)."""
@@ -115,6 +120,10 @@ class Endpoint(ABC):
                 yield event
         except EngineError as exc:
             yield self.stream_error(errors.from_engine(exc, gen.job.model))
+            return
+        final = gen.job.extra.get("final")
+        if on_answer is not None and final is not None:
+            await on_answer(final)
 
     def stream_error(self, error: errors.ApiError) -> bytes:
         """The end of a stream that failed after it began: an error event in the route's envelope, then the
