@@ -172,7 +172,7 @@ def test_cleanup_task_removes_results_after_retention(client, tenant, settings):
     Batch.objects.filter(pk=recent.pk).update(status="completed", finished_at=now - timedelta(hours=23))
     assert "batches.cleanup" in {entry["task"] for entry in app.conf.beat_schedule.values()}
 
-    assert tasks.cleanup() == {"batches": 1, "items": 2, "files": 1}
+    assert tasks.cleanup() == {"batches": 1, "items": 2, "files": 1, "responses": 0}
     assert not Item.objects.filter(batch=old).exists() and Item.objects.filter(batch=recent).count() == 1
     assert not File.objects.filter(pk__in=[out.pk, gone_input.pk]).exists()
     assert File.objects.filter(pk=kept_input.pk).exists()
@@ -181,7 +181,7 @@ def test_cleanup_task_removes_results_after_retention(client, tenant, settings):
     poll = client.post(f"{tenant.run_url}{CHAT_MODEL}", data=json.dumps({"request_id": old.pk}),
                        content_type="application/json", **tenant.auth)
     assert poll.status_code == 404 and "retention" in poll.json()["errors"][0]["message"]
-    assert tasks.cleanup() == {"batches": 0, "items": 0, "files": 0}  # idempotent
+    assert tasks.cleanup() == {"batches": 0, "items": 0, "files": 0, "responses": 0}  # idempotent
 
 
 @pytest.mark.django_db

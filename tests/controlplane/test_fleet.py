@@ -3,12 +3,10 @@ session affinity, prefix-aware routing, the replica header and usage, a replica 
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
@@ -256,5 +254,9 @@ async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_p
     assert all(out.token_ids == want.token_ids for out in adapted) and base.token_ids != want.token_ids
     # Later requests found the adapter resident and went where it already was.
     assert len({out.replica for out in adapted[1:]}) == 1
-    cached = [p for p in (Path(tempfile.gettempdir()) / "hearth-fleet-adapters").glob("*") if p.is_dir()]
+    from fleet.replica import (
+        adapter_root,  # the replicas' environment is this process's (HEARTH_DATA_DIR or not)
+    )
+
+    cached = [p for p in adapter_root().glob("*") if p.is_dir()]
     assert digest(read_files(folder)) in {p.name for p in cached}

@@ -19,7 +19,7 @@ from controlplane.serving.models import StoredResponse
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model, pytest.mark.once]
 
-INSTRUCTIONS = "You are a terse assistant. Answer in one short sentence. " * 6
+INSTRUCTIONS = "You answer as a Responses test: briefly, in one plain sentence. " * 6  # cached by no other test
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                            "unit": {"type": "string", "enum": ["C", "F"]}},
