@@ -85,7 +85,7 @@ class Job:
 
 
 def sampling_params(body: Any, *, temperature: float | None = None, logprobs: int | None = None,
-                    max_tokens: int | None = None) -> SamplingParams:
+                    max_tokens: int | None = None, stop: list[str] | None = None) -> SamplingParams:
     """The engine's SamplingParams from a parsed body; its range checks become 400s. max_tokens is set later,
     once the prompt length is known."""
     kwargs: dict[str, Any] = {}
@@ -96,7 +96,7 @@ def sampling_params(body: Any, *, temperature: float | None = None, logprobs: in
             kwargs[name] = value
     if "temperature" not in kwargs and temperature is not None:
         kwargs["temperature"] = temperature
-    stop = getattr(body, "stop", None)
+    stop = stop if stop is not None else getattr(body, "stop", None)
     if stop:
         kwargs["stop"] = [stop] if isinstance(stop, str) else list(stop)
     if logprobs is not None:

@@ -18,7 +18,7 @@ from controlplane.catalog.models import Task
 from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
 from controlplane.serving.generation import Run
-from controlplane.serving.job import Job, Prompt
+from controlplane.serving.job import Job, Prompt, sampling_params
 from controlplane.serving.protocol import tools as tool_glue
 from controlplane.serving.protocol.base import Endpoint, choice_outputs
 from controlplane.serving.protocol.common import check_tools, format_constraint
@@ -29,8 +29,7 @@ from controlplane.serving.schemas import (
     AnthropicToolResult,
     AnthropicToolUse,
 )
-from inference import FinishReason, RequestOutput, SamplingParams, Usage
-from inference.errors import InvalidRequestError
+from inference import FinishReason, RequestOutput, Usage
 
 MAX_STOP_SEQUENCES = 16
 
@@ -143,11 +142,7 @@ class Messages(Endpoint):
         stops = body.stop_sequences or []
         if len(stops) > MAX_STOP_SEQUENCES:
             raise errors.invalid(f"stop_sequences: at most {MAX_STOP_SEQUENCES}", "stop_sequences")
-        kwargs = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
-        try:
-            params = SamplingParams(max_tokens=body.max_tokens, stop=list(stops), **kwargs)
-        except InvalidRequestError as exc:
-            raise errors.invalid(str(exc)) from None
+        params = sampling_params(body, max_tokens=body.max_tokens, stop=list(stops))
         if body.thinking is not None and body.thinking.type == "enabled":
             raise errors.invalid(f"thinking: {entry.name} has no extended thinking; use disabled or adaptive",
                                  "thinking")

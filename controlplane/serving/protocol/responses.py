@@ -19,13 +19,12 @@ from controlplane.catalog.models import Task
 from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
 from controlplane.serving.generation import Run
-from controlplane.serving.job import Job, Prompt
+from controlplane.serving.job import Job, Prompt, sampling_params
 from controlplane.serving.protocol import tools as tool_glue
 from controlplane.serving.protocol.base import Endpoint, choice_outputs
 from controlplane.serving.protocol.common import check_tools, format_constraint
 from controlplane.serving.schemas import FunctionCallItem, FunctionCallOutputItem, InputText, ResponsesRequest
-from inference import FinishReason, RequestOutput, SamplingParams, Usage
-from inference.errors import InvalidRequestError
+from inference import FinishReason, RequestOutput, Usage
 
 
 def new_response_id() -> str:
@@ -123,12 +122,8 @@ class Responses(Endpoint):
             raise errors.invalid("background responses do not stream: poll GET /v1/responses/{id}", "stream")
         if body.background and not body.store:
             raise errors.invalid("background responses must be stored (store: true)", "store")
-        kwargs = {k: getattr(body, k) for k in ("temperature", "top_p") if getattr(body, k) is not None}
         max_tokens = body.max_output_tokens
-        try:
-            params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1, **kwargs)
-        except InvalidRequestError as exc:
-            raise errors.invalid(str(exc)) from None
+        params = sampling_params(body, max_tokens=max_tokens)
         fmt = body.text.format if body.text is not None else None
         constraint = None
         if fmt is not None and fmt.type != "text":
