@@ -442,6 +442,7 @@ def test_leaving_the_playground_mid_stream_aborts_and_records_it(live_owner):
     assert event.output_tokens < 200  # ...and the engine stopped before its budget ran out
 
 
+@pytest.mark.once  # the prompt format of a base model: nothing the database decides
 @pytest.mark.real_model
 @pytest.mark.django_db(transaction=True)
 def test_a_plain_prompt_model_gets_the_system_text_before_the_message(live_owner):

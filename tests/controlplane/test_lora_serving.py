@@ -61,6 +61,7 @@ def reference_llm() -> LLM:
     return LLM(CHAT_MODEL, EngineConfig(dtype="float32", kv_cache_memory="128MiB"))
 
 
+@pytest.mark.once  # engine and protocol behaviour: the PostgreSQL pass adds nothing but a minute of CPU
 def test_lora_on_both_apis_gives_the_adapters_answer(client, tenant, backend, adapter_files, reference_llm):
     first, second = (_upload(tenant.account, f"style-{i}", folder) for i, folder in enumerate(adapter_files))
     expected = []

@@ -123,6 +123,7 @@ def test_engine_errors_map_to_workers_ai_codes(exc, status, code):
     assert error.openai_response().status_code == (400 if code == 3006 else status)
 
 
+@pytest.mark.once  # subprocesses reading settings: the database under test changes nothing here
 def test_check_deploy_passes_with_production_environment(tmp_path):
     env = {**os.environ, "SECRET_KEY": secrets.token_urlsafe(60), "DEBUG": "0", "ALLOWED_HOSTS": "api.example.com",
            "DATABASE_URL": "postgres://postgres@127.0.0.1:5432/hearth", "REDIS_URL": "redis://127.0.0.1:6379/0",

@@ -50,6 +50,7 @@ def test_head_to_head_counts_items_each_method_wins() -> None:
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # 16 passes of a 0.5B model over 1,000-token documents: ~40 s on two cores (make test-full)
 def test_short_evaluation_on_qwen() -> None:
     require_installed(QWEN)
     llm = LLM(QWEN, EngineConfig(kv_cache_memory="1GiB", max_num_batched_tokens=2048, kv_min_prompt_tokens=128))
