@@ -1,8 +1,9 @@
 """The fleet: 2 engine replicas on a local Ray, multi-turn chat, three routers side by side.
 
-Workload: concurrent conversations of several turns each; every session opens with its own ~600-token system
-prompt, and each turn resends the whole history (as chat clients do) plus a new question after a think time of
-0.5-2 s (seeded), so sessions drift apart as real ones do. Configurations,
+Workload: concurrent conversations of several turns each; sessions arrive as a Poisson process (seeded, mean gap
+ARRIVAL_GAP_S) rather than all in one instant, every session opens with its own ~600-token system prompt, and
+each turn resends the whole history (as chat clients do) plus a new question after a think time of 0.5-2 s
+(seeded), so sessions drift apart as real ones do. Configurations,
 each on freshly deployed replicas (empty caches), in alternating rounds:
 - `single`: one replica serving everything (the hit ratio a fleet should keep);
 - `default`: 2 replicas behind Ray Serve's own router (power of two choices);
@@ -22,7 +23,11 @@ from typing import Any
 
 MODEL = "@hearth/smollm2-135m-instruct"
 WORDS = ["river", "stone", "market", "lantern", "copper", "orchard", "signal", "harbor", "meadow", "ledger", "cobalt", "window", "anchor", "thistle", "quarry", "violet", "engine", "parcel", "summit", "willow", "beacon", "fabric", "glacier", "pepper", "saddle", "timber", "walnut", "zephyr"]
-ENGINE = {"dtype": "float32", "kv_cache_memory": "1GiB", "max_num_seqs": 32, "speculation": "off"}
+ARRIVAL_GAP_S = 3.0  # mean time between two new sessions: a cold turn costs ~3 s of one replica's core
+# Prefill in 256-token chunks: on one core a step of the default 1,024 tokens takes ~5 s, and every cached turn
+# waiting behind it would measure that step instead of its own routing.
+ENGINE = {"dtype": "float32", "kv_cache_memory": "1GiB", "max_num_seqs": 32, "speculation": "off",
+          "max_num_batched_tokens": 256}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -36,13 +41,23 @@ def system_prompt(session: int, words: int = 560) -> str:
         rng.choice(WORDS) for _ in range(words))
 
 
+def arrivals(sessions: int, gap_s: float) -> list[float]:
+    """When each session opens, seconds from the start: a seeded Poisson process, the first at 0."""
+    rng = random.Random("arrivals")
+    times = [0.0]
+    for _ in range(sessions - 1):
+        times.append(times[-1] + rng.expovariate(1 / gap_s))
+    return times
+
+
 async def _conversation(client: Any, tokenizer: Any, app: str, session: int, turns: int, use_session: bool,
-                        rows: list[dict[str, Any]]) -> None:
+                        rows: list[dict[str, Any]], opens_at: float) -> None:
     from inference import GenerationRequest, SamplingParams
     from inference.prompts import encode_prompt
 
     messages = [{"role": "system", "content": system_prompt(session)}]
     think = random.Random(f"think-{session}")
+    await asyncio.sleep(opens_at)
     for turn in range(turns):
         if turn:  # the user reads the answer and types the next question
             await asyncio.sleep(think.uniform(0.5, 2.0))
@@ -80,8 +95,8 @@ async def _workload(client: Any, tokenizer: Any, app: str, sessions: int, turns:
                     use_session: bool) -> dict[str, float]:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    await asyncio.gather(*(_conversation(client, tokenizer, app, s, turns, use_session, rows)
-                           for s in range(sessions)))
+    await asyncio.gather(*(_conversation(client, tokenizer, app, s, turns, use_session, rows, opens_at)
+                           for s, opens_at in enumerate(arrivals(sessions, ARRIVAL_GAP_S))))
     wall = time.perf_counter() - started
     ttfts = [r["ttft_s"] for r in rows]
     later = [r["ttft_s"] for r in rows if r["turn"]]  # where routing decides: the history is cached somewhere
@@ -165,8 +180,10 @@ def markdown(r: dict[str, Any]) -> str:
     default_ttft = m["default"]["ttft_mean_ms"]
     default_later = m["default"]["later_ttft_mean_ms"]
     lines = [
-        f"{r['sessions']} concurrent sessions x {r['turns']} turns, ~600-token system prompt per session and the "
-        "growing history resent each turn after 0.5-2 s of think time, 12 output tokens per turn; SmolLM2-135M fp32, each replica 1 CPU "
+        f"{r['sessions']} sessions x {r['turns']} turns, arriving as a Poisson process (mean gap {ARRIVAL_GAP_S} s), "
+        "~600-token system prompt per session and the "
+        "growing history resent each turn after 0.5-2 s of think time, 12 output tokens per turn; SmolLM2-135M fp32, "
+        f"prefill chunks of {ENGINE['max_num_batched_tokens']} tokens, each replica 1 CPU "
         f"(torch 1 thread) on a local Ray with 2 CPUs; fresh replicas per configuration, {r['rounds']} alternating "
         "rounds, medians.",
         "",

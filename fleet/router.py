@@ -90,8 +90,6 @@ class HearthRouter(RequestRouter):
             block_size = int((replica.routing_stats or {}).get("block_size", 16))
             self.memory.remember(hint.prompt[:-1], hint.extra_keys, block_size, label)
 
-
-
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         label = self._sent.pop(internal_request_id, None)
         if label is not None and self.inflight[label] > 0:
@@ -101,6 +99,7 @@ class HearthRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         label = replica_label(replica_id)
         self.memory.forget(label)
+        self.policy.forget(label)
         self.inflight.pop(label, None)
         self._summaries.pop(label, None)
 

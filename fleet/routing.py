@@ -3,7 +3,8 @@
 In order of preference:
 1. A session (the `x-session-affinity` header) hashes onto a ring of replicas; it stays on its replica while
    that replica is alive and under the load cap (consistent hashing with bounded loads: Mirrokni, Thorup and
-   Zadimoghaddam, 2018). When a replica joins or leaves, only the sessions whose ring arc changed move.
+   Zadimoghaddam, 2018). When a replica joins or leaves, only the sessions whose ring arc changed move. A
+   session that had to spill stays where it spilled to: its history is cached there now, not at home.
 2. Otherwise, of the replicas under the cap, the one holding the longest cached prefix of the prompt (the
    engine's own prefix-cache hash chain).
 3. A request naming a LoRA adapter prefers a replica where that adapter is resident.
@@ -107,7 +108,9 @@ class Policy:
     load_factor: float = 1.25
     load_slack: int = 4
     min_prefix_blocks: int = 1  # a match shorter than this is no reason to leave the least loaded replica
+    max_sessions: int = 1 << 16  # sessions whose last replica is remembered (least recently seen forgotten first)
     _ring: HashRing | None = field(default=None, init=False)
+    _placed: OrderedDict[str, str] = field(default_factory=OrderedDict, init=False)
 
     def ring(self, ids: Iterable[str]) -> HashRing:
         members = frozenset(ids)
@@ -128,8 +131,9 @@ class Policy:
 
         if hint.session:
             loads = {r.id: r.load for r in usable}
-            for rid in self.ring(loads).walk(hint.session):
+            for rid in self._session_order(hint.session, loads):
                 if loads[rid] < cap:
+                    self._place(hint.session, rid)
                     return first(rid, "session")
         under_cap = [r for r in usable if r.load < cap]
         if hint.prompt and under_cap:
@@ -141,6 +145,31 @@ class Policy:
             if holders:
                 return first(holders[0].id, "adapter")
         return first(by_load[0].id, "least_loaded")
+
+    def _session_order(self, session: str, loads: dict[str, int]) -> list[str]:
+        """The replica that served the session last (while it lives), then the ring's order for the session.
+        Without a spill the two agree; after one, following the cache beats going home to an empty one."""
+        order = self.ring(loads).walk(session)
+        last = self._placed.get(session)
+        if last is not None and last in loads and order[0] != last:
+            order.remove(last)
+            order.insert(0, last)
+        return order
+
+    def _place(self, session: str, replica_id: str) -> None:
+        self._placed[session] = replica_id
+        self._placed.move_to_end(session)
+        while len(self._placed) > self.max_sessions:
+            self._placed.popitem(last=False)
+
+    @property
+    def remembered_sessions(self) -> int:
+        return len(self._placed)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica died: its sessions go back to the ring (their caches died with it)."""
+        for session in [s for s, rid in self._placed.items() if rid == replica_id]:
+            del self._placed[session]
 
     def longest_prefix(self, hint: RouteHint, replicas: Sequence[ReplicaState],
                        routed: PrefixMemory | None) -> tuple[ReplicaState | None, int]:
@@ -185,6 +214,10 @@ class PrefixMemory:
     def holds(self, key: bytes, replica_id: str) -> bool:
         holders = self._where.get(key)
         return holders is not None and replica_id in holders
+
+    @property
+    def remembered_sessions(self) -> int:
+        return len(self._placed)
 
     def forget(self, replica_id: str) -> None:
         """A replica died: nothing it held survives it."""

@@ -69,6 +69,29 @@ def test_bounded_load_spills_a_session_only_past_the_cap() -> None:
     assert decision.ranking[0] == other and decision.reason == "session"
 
 
+def test_a_spilled_session_stays_where_its_history_is_cached_until_that_replica_dies() -> None:
+    policy = Policy(load_factor=1.25)
+    for session in sessions(20):
+        home = policy.decide(RouteHint(session=session), replicas(0, 0)).ranking[0]
+        other = "r1" if home == "r0" else "r0"
+        busy = {home: 12, other: 1}
+        assert policy.decide(RouteHint(session=session), replicas(busy["r0"], busy["r1"])).ranking[0] == other
+        # Home has room again, but the session's last turn was computed on the other replica: it stays there.
+        assert policy.decide(RouteHint(session=session), replicas(0, 0)).ranking[0] == other
+        # Over the cap there too: it spills again, home this time (the ring's order after the sticky replica).
+        busy = {home: 1, other: 12}
+        assert policy.decide(RouteHint(session=session), replicas(busy["r0"], busy["r1"])).ranking[0] == home
+        policy.decide(RouteHint(session=session), replicas(12, 12, 0))  # a third replica: sessions stay put
+        assert policy.decide(RouteHint(session=session), replicas(0, 0, 0)).ranking[0] == home
+        policy.forget(home)  # the replica died: back to the ring, which (home gone) now names another
+        assert policy.decide(RouteHint(session=session), replicas(0, 0)).ranking[0] == HashRing(["r0", "r1"]).walk(
+            session)[0]
+    bounded = Policy(max_sessions=4)
+    for session in sessions(10):
+        bounded.decide(RouteHint(session=session), replicas(0, 0))
+    assert bounded.remembered_sessions == 4
+
+
 def test_the_longest_cached_prefix_wins_unless_that_replica_is_overloaded() -> None:
     rng = random.Random(0)
     system = [rng.randrange(1000) for _ in range(10 * BS)]
