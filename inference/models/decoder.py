@@ -18,6 +18,8 @@ from transformers import PretrainedConfig
 from inference.batch import AttentionBatch, DecodeGroup
 from inference.kv_cache import KVPool
 from inference.models import layers
+from kernels import cpu_norm
+from kernels import cpu_paged_attention as cpa
 from kernels import kv_compress as kc
 from kernels import paged_attention as pa
 
@@ -116,6 +118,12 @@ class DecoderLM:
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.triton = triton_kernels(device)
+        # On CPU in fp32, decode attention reads the paged blocks in place (kernels/cpu_paged_attention) unless
+        # HEARTH_ATTENTION=torch asks for the references.
+        self.cpu_attention = (self.triton is None and os.environ.get("HEARTH_ATTENTION", "auto") != "torch"
+                              and cpa.supports(torch.empty(1, self.num_heads, self.head_dim, dtype=dtype, device=device),
+                                               torch.empty(1, 1, self.head_dim, dtype=dtype, device=device),
+                                               self.num_kv_heads))
 
         def get(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype)
@@ -164,6 +172,16 @@ class DecoderLM:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return layers.rms_norm(x, weight, self.eps, offset=self.spec.norm_offset)
 
+    def _add_norm(self, h: torch.Tensor, x: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + x, its norm); x None adds nothing. One fused call on CPU in fp32 (h is updated in place there:
+        it is this pass's own residual stream)."""
+        if cpu_norm.supports(h):
+            return cpu_norm.add_rms_norm(h, x, weight, self.eps, self.spec.norm_offset)
+        if x is not None:
+            h = h + x
+        return h, self._norm(h, weight)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVPool,
                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -174,17 +192,16 @@ class DecoderLM:
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        residual: torch.Tensor | None = None  # the last sublayer's output, added to h with the next norm
         for index, layer in enumerate(self.layers):
             if between_layers is not None:
                 between_layers()
-            x = self._norm(h, layer.input_norm)
+            h, x = self._add_norm(h, residual, layer.input_norm)
             x = self._attention(index, layer, x, batch, kv)
             if layer.pre_ffn_norm is not None:
-                h = h + self._norm(x, layer.post_attn_norm)
-                x = self._norm(h, layer.pre_ffn_norm)
+                h, x = self._add_norm(h, self._norm(x, layer.post_attn_norm), layer.pre_ffn_norm)
             else:
-                h = h + x
-                x = self._norm(h, layer.post_attn_norm)
+                h, x = self._add_norm(h, x, layer.post_attn_norm)
             gate_up = layer.gate_up(x)
             if batch.lora is not None:
                 batch.lora.apply(index, "gate_up", x, gate_up)
@@ -194,8 +211,8 @@ class DecoderLM:
             x = batch.lora.apply(index, "down", x, down) if batch.lora is not None else down
             if layer.post_ffn_norm is not None:
                 x = self._norm(x, layer.post_ffn_norm)
-            h = h + x
-        return self._norm(h, self.final_norm)
+            residual = x
+        return self._add_norm(h, residual, self.final_norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
@@ -257,6 +274,9 @@ class DecoderLM:
                 if group.observers is not None:
                     received = self.triton.received(q[rows], kv.k, kv.pos, tables, lens, batch.positions[rows],
                                                     self.scale, window, softcap)
+            elif self.cpu_attention and group.observers is None and kv.k.shape[1] <= cpa.MAX_BLOCK:
+                out[rows] = cpa.paged_decode_attention(q[rows], kv.k, kv.v, kv.pos, tables, lens,
+                                                       batch.positions[rows], self.scale, window, softcap)
             else:
                 mask = self._decode_mask(index, window, group, tables, batch, kv)
                 if group.observers is None:

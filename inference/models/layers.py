@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from kernels import cpu_gemv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool) -> torch.Tensor:
     """RMSNorm in fp32. Llama casts back before scaling; Gemma scales by (1 + w) in fp32, then casts.
@@ -40,22 +42,30 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x W^T + b. On CPU the weight is pre-packed once into oneDNN's blocked layout.
+    """y = x W^T + b, on the fastest path this machine has for the shape.
 
-    Decode is a stream of matrix-vector products whose cost is reading the weights; torch's generic path
-    reaches about 60% of this machine's memory bandwidth on them, the packed layout about 85% (measured
-    in docs/benchmarks.md), with the same results.
+    Decode is a stream of matrix-vector products whose cost is reading the weights; prefill and large batches
+    are compute-bound. On CPU the weight is pre-packed once into oneDNN's blocked layout, the fastest path
+    for products of three rows or more (about 150 GFLOP/s at 32 rows against BLAS's 80 here). For one or two
+    rows, fp32 weights also keep their plain layout for kernels/cpu_gemv, which streams them at ~27 GB/s
+    where oneDNN reaches ~19 (docs/benchmarks.md): that copy costs the weight's size again in memory, which
+    HEARTH_CPU_GEMV=off saves.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.bias = bias
+        self.bias = bias.contiguous() if bias is not None else None
         self.nbytes = weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
+        weight = weight.contiguous()
         self.packed = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) \
             and _onednn_packs(weight.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        gemv = cpu_gemv.supports(weight) and (bias is None or bias.dtype == torch.float32)
+        self.plain = weight if gemv else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
+            return cpu_gemv.gemv(x, self.plain, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

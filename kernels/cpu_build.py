@@ -1,0 +1,72 @@
+"""Builds and loads the C kernels of kernels/csrc for the CPU (AVX2 + FMA, OpenMP).
+
+Each source is compiled once per machine with the system C compiler into a cache directory, under a name
+keyed by the source's hash and flags (about a second of work), and loaded with ctypes: no torch headers, no
+build step at install time, nothing to ship. Without a C compiler or those CPU features, or with
+HEARTH_CPU_KERNELS=off, `load` returns None and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the kernels link against)
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((row for row in f if row.startswith("flags")), "")
+    except OSError:
+        return False
+    have = set(line.split(":", 1)[-1].split())
+    return all(flag in have for flag in flags)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HEARTH_DATA_DIR")
+    return Path(root) / "kernels" if root else Path.home() / ".cache" / "hearth" / "kernels"
+
+
+def _compile(compiler: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written library.
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(partial), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """kernels/csrc/<name>.c as a loaded library, or None where it cannot be built here."""
+    if os.environ.get("HEARTH_CPU_KERNELS", "auto") == "off" or not _cpu_has("avx2", "fma"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    source = SOURCES / f"{name}.c"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, source, target)
+        # torch is loaded, so its libgomp.so.1 is in the process: the library's OpenMP calls resolve to that
+        # runtime and both share one thread pool instead of two pools fighting over the cores.
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,69 @@
+"""The CPU paged decode-attention kernel against the torch reference on fresh random pools and tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_paged_attention as cpa
+from kernels import paged_attention as pa
+
+pytestmark = pytest.mark.skipif(not cpa.available(),
+                                reason="the CPU attention kernel needs a C compiler and a CPU with AVX2 and FMA")
+
+
+def _case(gen: torch.Generator, batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
+          dropped: bool) -> tuple:
+    """A pool with random blocks per (sequence, kv head); positions either dense (entry i = position i) or
+    with gaps, as after KV compression."""
+    num_blocks = 4 + batch * kv_heads * 8
+    k = torch.randn(num_blocks, block_size, head_dim, generator=gen)
+    v = torch.randn(num_blocks, block_size, head_dim, generator=gen)
+    pos = torch.zeros(num_blocks, block_size, dtype=torch.int32)
+    width = 1 + int(torch.randint(1, 8, (), generator=gen))
+    tables = torch.zeros(batch, kv_heads, width, dtype=torch.long)
+    lens = torch.zeros(batch, kv_heads, dtype=torch.int32)
+    q_pos = torch.zeros(batch, dtype=torch.long)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    for b in range(batch):
+        top = int(torch.randint(width * block_size, 4 * width * block_size, (), generator=gen))
+        q_pos[b] = top
+        for h in range(kv_heads):
+            n = int(torch.randint(1, width * block_size + 1, (), generator=gen))
+            lens[b, h] = n
+            kept = (torch.randperm(top, generator=gen)[: n - 1].sort().values.tolist() if dropped
+                    else list(range(top - n + 1, top)))
+            entries = kept + [top]  # the new token's own entry, always last
+            for j in range(width):
+                tables[b, h, j] = free.pop()
+            for i, p in enumerate(entries):
+                pos[tables[b, h, i // block_size], i % block_size] = p
+    q = torch.randn(batch, q_heads, head_dim, generator=gen)
+    return q, k, v, pos, tables, lens, q_pos
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kernel_matches_the_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 6, (), generator=gen))
+    kv_heads = int(torch.randint(1, 4, (), generator=gen))
+    q_heads = kv_heads * int(torch.randint(1, 5, (), generator=gen))
+    head_dim = 8 * int(torch.randint(1, 17, (), generator=gen))
+    block_size = (4, 16, 32)[seed % 3]
+    window = (None, 7, None, 40)[seed % 4]
+    softcap = 50.0 if seed % 5 == 4 else None
+    q, k, v, pos, tables, lens, q_pos = _case(gen, batch, q_heads, kv_heads, head_dim, block_size, seed % 2 == 1)
+    scale = head_dim ** -0.5
+    mask = pa.decode_mask(pos, tables, lens, q_pos, window)
+    want = pa.paged_decode_attention_ref(q, k, v, tables, mask, scale, softcap)
+    assert cpa.supports(q, k, kv_heads)
+    got = cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k = torch.zeros(1, 2, 8), torch.zeros(4, 16, 8)
+    assert cpa.supports(q, k, 1)
+    assert not cpa.supports(q.bfloat16(), k.bfloat16(), 1) and not cpa.supports(torch.zeros(1, 2, 12), k, 1)
+    monkeypatch.setenv("HEARTH_CPU_ATTENTION", "off")
+    assert not cpa.supports(q, k, 1)
