@@ -60,7 +60,9 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = SOURCES / f"{name}.c"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    # Keyed by the source, the shared header and the flags: a change to any of them builds anew.
+    digest = hashlib.sha256(source.read_bytes() + (SOURCES / "simd.h").read_bytes()
+                            + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     try:
         if not target.exists():

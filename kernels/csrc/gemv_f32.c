@@ -10,13 +10,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
+#include "simd.h"
 
 /* Rows [n0, n0 + 4) of w against rows [m0, m0 + mc) of x, mc <= 2. k is a multiple of 8. */
 static inline void block4(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t n0,

@@ -7,13 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
+#include "simd.h"
 
 /* h [rows, dim] += x (when x is not NULL); out = RMSNorm(h) * w, or * (1 + w) with offset (Gemma).
  * dim % 8 == 0. */

@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define MAX_BLOCK 64
 #define MAX_GROUP_DIM 4096 /* query heads per kv head x head_dim the stack buffers hold */
 
@@ -31,14 +33,6 @@ static inline __m256 exp_neg(__m256 x) {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
