@@ -45,7 +45,7 @@ class ModelDeployment:
 
     @classmethod
     def from_settings(cls, model: str, settings: Mapping[str, Any], *, embedding: bool = False,
-                      default_replicas: int = 1) -> ModelDeployment:
+                      default_replicas: int = 1, default_num_cpus: float = 1.0) -> ModelDeployment:
         """From a catalog entry's engine settings, whose `fleet` key (if any) holds replicas, min_replicas,
         max_replicas, num_cpus, num_gpus and router; every other key is the engine's."""
         engine = dict(settings)
@@ -55,7 +55,7 @@ class ModelDeployment:
             raise ValueError(f"{model}: unknown fleet settings {unknown}")
         return cls(model=model, embedding=embedding, engine_settings=engine,
                    replicas=int(fleet.get("replicas", default_replicas)), min_replicas=fleet.get("min_replicas"),
-                   max_replicas=fleet.get("max_replicas"), num_cpus=float(fleet.get("num_cpus", 1.0)),
+                   max_replicas=fleet.get("max_replicas"), num_cpus=float(fleet.get("num_cpus", default_num_cpus)),
                    num_gpus=float(fleet.get("num_gpus", 0.0)), router=dict(fleet.get("router") or {}))
 
     @property

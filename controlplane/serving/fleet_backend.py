@@ -86,9 +86,10 @@ class RayBackend:
         self.client.close()
 
 
-def deploy_specs(entries: list[Any], *, replicas: int = 1) -> list[ModelDeployment]:
+def deploy_specs(entries: list[Any], *, replicas: int = 1, num_cpus: float = 1.0) -> list[ModelDeployment]:
     """What to deploy for the catalog's installed models: each generation model with its engine settings
-    (the `fleet` key of them sizes its deployment), each embedding model on its own."""
+    (the `fleet` key of them sizes its deployment), each embedding model on its own. `replicas` and
+    `num_cpus` (Ray's CPUs per replica) apply where a model's settings name none."""
     specs = []
     for entry in entries:
         if not entry.installed:
@@ -97,5 +98,5 @@ def deploy_specs(entries: list[Any], *, replicas: int = 1) -> list[ModelDeployme
         if entry.is_embedding:  # an embedder takes no engine settings, only the fleet's
             settings = {"fleet": settings["fleet"]} if "fleet" in settings else {}
         specs.append(ModelDeployment.from_settings(entry.name, settings, embedding=entry.is_embedding,
-                                                   default_replicas=replicas))
+                                                   default_replicas=replicas, default_num_cpus=num_cpus))
     return specs

@@ -260,3 +260,20 @@ async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_p
 
     cached = [p for p in adapter_root().glob("*") if p.is_dir()]
     assert digest(read_files(folder)) in {p.name for p in cached}
+
+
+def test_deploy_specs_size_replicas_that_name_no_cpus(catalog):
+    """`make cluster` gives each replica a share of the machine (Ray waits forever on replicas that do not fit);
+    a model's own `fleet` settings still win."""
+    from controlplane.catalog.models import AiModel
+    from controlplane.catalog.services import catalog as fresh_catalog
+    from controlplane.catalog.services import invalidate
+    from controlplane.serving.fleet_backend import deploy_specs
+
+    AiModel.objects.filter(name=CHAT_MODEL).update(engine_settings={"fleet": {"num_cpus": 2, "replicas": 3}})
+    invalidate()
+    entries = [e for e in fresh_catalog().values() if e.installed]
+    specs = {s.model: s for s in deploy_specs(entries, replicas=2, num_cpus=0.25)}
+    assert (specs[CHAT_MODEL].num_cpus, specs[CHAT_MODEL].replicas) == (2.0, 3)
+    others = [s for name, s in specs.items() if name != CHAT_MODEL]
+    assert others and all((s.num_cpus, s.replicas) == (0.25, 2) for s in others)

@@ -39,11 +39,18 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         server: subprocess.Popen[bytes] | None = None
+        # Ray's token authentication: a driver given an explicit address only uses it when told to, so the
+        # head, deploy_fleet and the server all run with it said outright, and the token (~/.ray/auth_token)
+        # is made here when this machine has none yet. RAY_AUTH_MODE=disabled in the environment opts out.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if os.environ["RAY_AUTH_MODE"] == "token":
+            subprocess.run([*ray, "get-auth-token", "--generate"], check=True, stdout=subprocess.DEVNULL)
         subprocess.run([*ray, "start", "--head", f"--port={options['ray_port']}", f"--num-cpus={options['num_cpus']}",
                         "--include-dashboard=false", "--disable-usage-stats"], check=True)
         try:
             os.environ["RAY_ADDRESS"] = address
-            call_command("deploy_fleet", address=address, replicas=options["replicas"], stdout=self.stdout)
+            call_command("deploy_fleet", address=address, replicas=options["replicas"],
+                         fit_cpus=options["num_cpus"], stdout=self.stdout)
             env = {**os.environ, "HEARTH_ENGINE": "ray", "RAY_ADDRESS": address,
                    "HEARTH_BATCH_WORKER": os.environ.get("HEARTH_BATCH_WORKER", "inprocess")}
             server = subprocess.Popen([sys.executable, "-m", "uvicorn", "controlplane.asgi:application",
