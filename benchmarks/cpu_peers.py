@@ -12,6 +12,7 @@ of those ratios are reported.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -23,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "peers.py"
 MODELS = ["@hearth/smollm2-135m-instruct"]
+QWEN = "@hearth/qwen2.5-coder-0.5b-instruct"  # HEARTH_PEERS_QWEN=1 adds it (about three times the run time)
 
 
 def vllm_python() -> str | None:
@@ -56,7 +58,21 @@ def dtypes(flags: list[str]) -> list[str]:
     return ["float32"] + (["bfloat16"] if {"avx512_bf16", "amx_bf16"} & set(flags) else [])
 
 
+def weight_bytes(model_dir: str, dtype: str) -> int:
+    """Bytes a decode step reads: every parameter once (a tied head and embedding count once), in `dtype`."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                shape = f.get_slice(key).get_shape()
+                count += math.prod(shape)
+    return count * (4 if dtype == "float32" else 2)
+
+
 def run(quick: bool = False) -> dict[str, Any]:
+    from benchmarks.engine import memory_bandwidth_gbs
     from inference.models.catalog import model_path
 
     pairs = 1 if quick else 3
@@ -65,7 +81,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     peer = vllm_python()
     flags = cpu_flags()
     rows: list[dict[str, Any]] = []
-    for model, dtype in ((m, d) for m in MODELS for d in dtypes(flags)):
+    models = MODELS + ([QWEN] if os.environ.get("HEARTH_PEERS_QWEN") == "1" else [])
+    bandwidths = [memory_bandwidth_gbs()]
+    for model, dtype in ((m, d) for m in models for d in dtypes(flags)):
         model_dir = str(model_path(model))
         for workload in ("single", "concurrent"):
             runs: dict[str, list[float]] = {"hearth": [], "vllm": [], "transformers": []}
@@ -79,12 +97,14 @@ def run(quick: bool = False) -> dict[str, Any]:
                     runs[engine].append(r["tok_s"])
                     versions[engine] = r["version"]
             ratios = [h / v for h, v in zip(runs["hearth"], runs["vllm"], strict=False)]
+            bandwidths.append(memory_bandwidth_gbs())
             rows.append({"model": model, "dtype": dtype, "workload": workload, "runs": runs, "versions": versions,
+                         "weight_bytes": weight_bytes(model_dir, dtype),
                          "median": {k: statistics.median(v) for k, v in runs.items() if v},
                          "ratio": statistics.median(ratios) if ratios else None,
                          "ratio_range": [min(ratios), max(ratios)] if ratios else None})
     return {"rows": rows, "pairs": pairs, "threads": threads, "new_tokens": new_tokens, "flags": ", ".join(flags),
-            "peer": bool(peer)}
+            "peer": bool(peer), "bandwidth_gbs": statistics.median(bandwidths)}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -95,14 +115,22 @@ def markdown(r: dict[str, Any]) -> str:
              f"range in brackets). Engines: {', '.join(sorted(versions.values()))}.", ""]
     if not r["peer"]:
         lines += ["vLLM's CPU venv was not found (VLLM_PYTHON), so Hearth runs alone here.", ""]
-    lines += ["| model | dtype | workload | Hearth | vLLM CPU | Hearth / vLLM | transformers |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    bandwidth = r.get("bandwidth_gbs")
+    if bandwidth:
+        lines += [f"Ceiling of a single stream: copy bandwidth (bytes read + written, median over the run: "
+                  f"{bandwidth:.1f} GB/s) over the weight bytes one decode step reads; the share is Hearth's.", ""]
+    lines += ["| model | dtype | workload | Hearth | vLLM CPU | Hearth / vLLM | transformers | ceiling (share) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["rows"]:
         m = row["median"]
         ratio = (f"{row['ratio']:.2f}× [{row['ratio_range'][0]:.2f}–{row['ratio_range'][1]:.2f}]"
                  if row["ratio"] else "—")
         peer = f"{m['vllm']:.1f}" if "vllm" in m else "—"
         hf = f"{m['transformers']:.1f}" if "transformers" in m else "—"
+        ceiling = "—"
+        if bandwidth and row["workload"] == "single" and row.get("weight_bytes"):
+            top = bandwidth * 1e9 / row["weight_bytes"]
+            ceiling = f"{top:.0f} ({m['hearth'] / top:.0%})"
         lines.append(f"| {row['model']} | {row.get('dtype', 'float32')} | {names[row['workload']]} | {m['hearth']:.1f} | "
-                     f"{peer} | {ratio} | {hf} |")
+                     f"{peer} | {ratio} | {hf} | {ceiling} |")
     return "\n".join(lines)

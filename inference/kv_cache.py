@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference import memory
 from inference.errors import InvalidRequestError
 
 
@@ -49,9 +50,10 @@ class KVPool:
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (num_blocks, layout.block_size, layout.head_dim)
-        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.pos = torch.zeros((num_blocks, layout.block_size), dtype=torch.int32, device=device)
+        # On huge pages on CPU: decode reads blocks scattered over the whole pool (inference/memory.py).
+        self.k = memory.zeros(shape, layout.dtype, device)
+        self.v = memory.zeros(shape, layout.dtype, device)
+        self.pos = memory.zeros((num_blocks, layout.block_size), torch.int32, device)
 
     @classmethod
     def from_budget(cls, layout: KVLayout, budget_bytes: int, device: torch.device) -> KVPool:

@@ -21,6 +21,8 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the ker
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# Where the CPU has them, kernels may also use AVX-512 BF16 dot products (`#ifdef __AVX512BF16__`).
+BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512bf16")
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -31,6 +33,11 @@ def _cpu_has(*flags: str) -> bool:
         return False
     have = set(line.split(":", 1)[-1].split())
     return all(flag in have for flag in flags)
+
+
+def flags() -> tuple[str, ...]:
+    """This machine's compiler flags: the AVX2 baseline, plus AVX-512 BF16 where the CPU has it."""
+    return FLAGS + (BF16_FLAGS if _cpu_has("avx512f", "avx512bw", "avx512_bf16") else ())
 
 
 def cache_dir() -> Path:
@@ -44,7 +51,7 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(partial), "-lm"], check=True,
+        subprocess.run([compiler, *flags(), str(source), "-o", str(partial), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -62,7 +69,7 @@ def load(name: str) -> ctypes.CDLL | None:
     source = SOURCES / f"{name}.c"
     # Keyed by the source, the shared header and the flags: a change to any of them builds anew.
     digest = hashlib.sha256(source.read_bytes() + (SOURCES / "simd.h").read_bytes()
-                            + " ".join(FLAGS).encode()).hexdigest()[:16]
+                            + " ".join(flags()).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     try:
         if not target.exists():

@@ -1,8 +1,10 @@
-"""Decode attention over the paged KV pool on CPU in fp32, reading blocks in place (csrc/paged_decode_f32.c).
+"""Decode attention over the paged KV pool on CPU in fp32 or bf16, reading blocks in place (csrc/paged_decode.c).
 
 The same contract as `triton_paged_attention.paged_decode_attention`, and the same reference:
 `paged_attention.paged_decode_attention_ref` with `decode_mask`. Built by kernels/cpu_build; `supports` says
-whether a call can take this path (fp32 on CPU, head_dim a multiple of 8, the kernel's stack bounds).
+whether a call can take this path (fp32 or bf16 on CPU, head_dim a multiple of 8, the kernel's stack bounds).
+bf16 pools are widened to fp32 as they are read and the output rounded once at the end, so bf16 results are
+at least as close to an fp32 computation as the reference's.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ import torch
 from kernels import cpu_build
 
 MAX_BLOCK = 64  # the kernel's per-block score buffer
+MAX_GROUPS = 64  # query heads per kv head
 MAX_GROUP_DIM = 4096  # query heads per kv head x head_dim its accumulators hold
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("paged_decode_f32")
+    lib = cpu_build.load("paged_decode")
     if lib is not None:
-        lib.hearth_paged_decode_f32.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
-                                                + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int64])
-        lib.hearth_paged_decode_f32.restype = None
+        for fn in (lib.hearth_paged_decode_f32, lib.hearth_paged_decode_bf16):
+            fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
+                           + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int64])
+            fn.restype = None
     return lib
 
 
@@ -35,8 +40,8 @@ def available() -> bool:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
     num_q_heads, head_dim = q.shape[-2:]
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and head_dim % 8 == 0
-            and k_cache.shape[1] <= MAX_BLOCK and num_q_heads // num_kv_heads <= 64
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in DTYPES and head_dim % 8 == 0
+            and k_cache.shape[1] <= MAX_BLOCK and num_q_heads // num_kv_heads <= MAX_GROUPS
             and num_q_heads // num_kv_heads * head_dim <= MAX_GROUP_DIM and available())
 
 
@@ -55,8 +60,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lens = kv_lens.to(torch.int32).contiguous()
     positions = q_positions.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    lib.hearth_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos_cache.data_ptr(),
-                                tables.data_ptr(), lens.data_ptr(), positions.data_ptr(), out.data_ptr(),
-                                batch, num_q_heads, num_kv_heads, head_dim, k_cache.shape[1], width, scale,
-                                sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+    kernel = lib.hearth_paged_decode_f32 if q.dtype == torch.float32 else lib.hearth_paged_decode_bf16
+    kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos_cache.data_ptr(), tables.data_ptr(),
+           lens.data_ptr(), positions.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
+           k_cache.shape[1], width, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
     return out

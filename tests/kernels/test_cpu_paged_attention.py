@@ -42,12 +42,13 @@ def _case(gen: torch.Generator, batch: int, q_heads: int, kv_heads: int, head_di
     return q, k, v, pos, tables, lens, q_pos
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(10))
 def test_kernel_matches_the_reference(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     batch = int(torch.randint(1, 6, (), generator=gen))
     kv_heads = int(torch.randint(1, 4, (), generator=gen))
-    q_heads = kv_heads * int(torch.randint(1, 5, (), generator=gen))
+    # 1-8 query heads per kv head: every register tile shape (3, 2 and 1 heads) and their mixes
+    q_heads = kv_heads * int(torch.randint(1, 9, (), generator=gen))
     head_dim = 8 * int(torch.randint(1, 17, (), generator=gen))
     block_size = (4, 16, 32)[seed % 3]
     window = (None, 7, None, 40)[seed % 4]
@@ -61,9 +62,34 @@ def test_kernel_matches_the_reference(seed: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_pools_match_the_fp32_reference_within_bf16_rounding(seed: int) -> None:
+    """bf16 entries are widened and all arithmetic is fp32: the result is the fp32 reference over the same
+    (bf16-valued) inputs, rounded once to bf16."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    kv_heads = 1 + seed % 3
+    q_heads = kv_heads * (1, 3, 7, 4)[seed]
+    head_dim = (64, 40, 128, 256)[seed]
+    q, k, v, pos, tables, lens, q_pos = _case(gen, 3, q_heads, kv_heads, head_dim, 16, seed % 2 == 1)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scale = head_dim ** -0.5
+    window = 9 if seed == 2 else None
+    mask = pa.decode_mask(pos, tables, lens, q_pos, window)
+    want = pa.paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, mask, scale, None)
+    assert cpa.supports(q, k, kv_heads)
+    got = cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
+    # and as close to it as the bf16 reference gets, or closer
+    ref16 = pa.paged_decode_attention_ref(q, k, v, tables, mask, scale, None).float()
+    assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
+
+
 def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k = torch.zeros(1, 2, 8), torch.zeros(4, 16, 8)
     assert cpa.supports(q, k, 1)
-    assert not cpa.supports(q.bfloat16(), k.bfloat16(), 1) and not cpa.supports(torch.zeros(1, 2, 12), k, 1)
+    assert cpa.supports(q.bfloat16(), k.bfloat16(), 1)
+    assert not cpa.supports(q.half(), k.half(), 1) and not cpa.supports(q.bfloat16(), k, 1)
+    assert not cpa.supports(torch.zeros(1, 2, 12), k, 1)
     monkeypatch.setenv("HEARTH_CPU_ATTENTION", "off")
     assert not cpa.supports(q, k, 1)

@@ -1,0 +1,48 @@
+"""Large CPU buffers on transparent huge pages: the weights decode streams and the KV pool it reads.
+
+A decode step on CPU reads every weight, and with many sequences about as many bytes again of KV blocks
+scattered over the pool. With 4 KiB pages that is a TLB miss every 4 KiB, and the hardware prefetchers stop at
+each page boundary; on 2 MiB pages neither happens (measured: docs/benchmarks.md, "CPU kernels"). Linux gives
+huge pages to anonymous memory that asks for them (`madvise(MADV_HUGEPAGE)`, honoured when
+/sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`), so such buffers are mapped here, asked
+for huge pages before the first touch, and handed to torch with `torch.frombuffer`, which keeps the mapping
+alive as long as any tensor views it. Elsewhere (other devices, small buffers, no madvise, or
+HEARTH_HUGEPAGES=off) these are plain torch allocations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = HUGE_PAGE  # smaller buffers gain nothing
+
+
+def enabled() -> bool:
+    return os.environ.get("HEARTH_HUGEPAGES", "auto") != "off" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero-filled tensor; on huge pages when it is a large CPU buffer (see the module's docstring)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or not enabled():
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # One spare huge page lets the tensor start on a 2 MiB boundary (mmap only promises 4 KiB alignment).
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without THP: still a valid, zeroed buffer
+        region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start: start + nbytes].view(dtype).view(shape)
+
+
+def copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `tensor` in a buffer from `zeros` (on huge pages where that applies)."""
+    out = zeros(tuple(tensor.shape), tensor.dtype, tensor.device)
+    out.copy_(tensor)
+    return out
