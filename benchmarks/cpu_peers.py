@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "peers.py"
 MODELS = ["@hearth/smollm2-135m-instruct"]
 QWEN = "@hearth/qwen2.5-coder-0.5b-instruct"  # HEARTH_PEERS_QWEN=1 adds it (about three times the run time)
+PAIRS = int(os.environ.get("HEARTH_PEERS_PAIRS", "3"))
 
 
 def vllm_python() -> str | None:
@@ -75,7 +76,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     from benchmarks.engine import memory_bandwidth_gbs
     from inference.models.catalog import model_path
 
-    pairs = 1 if quick else 3
+    pairs = 1 if quick else PAIRS
     new_tokens = 32 if quick else 128
     threads = max(1, min(2, os.cpu_count() or 1))
     peer = vllm_python()

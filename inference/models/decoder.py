@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from inference.batch import AttentionBatch, DecodeGroup
 from inference.kv_cache import KVPool
 from inference.models import layers
-from kernels import cpu_norm
+from kernels import cpu_fused, cpu_norm
 from kernels import cpu_paged_attention as cpa
 from kernels import kv_compress as kc
 from kernels import paged_attention as pa
@@ -124,6 +124,9 @@ class DecoderLM:
                               and cpa.supports(torch.empty(1, self.num_heads, self.head_dim, dtype=dtype, device=device),
                                                torch.empty(1, 1, self.head_dim, dtype=dtype, device=device),
                                                self.num_kv_heads))
+        # Rotary + KV write and SiLU * up as one C call each on CPU (kernels/cpu_fused): the same results.
+        self.cpu_fused = self.triton is None and cpu_fused.supports(torch.empty(0, dtype=dtype, device=device))
+        self.silu_mul = self.cpu_fused and self.act is F.silu
 
         def get(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype)
@@ -205,8 +208,11 @@ class DecoderLM:
             gate_up = layer.gate_up(x)
             if batch.lora is not None:
                 batch.lora.apply(index, "gate_up", x, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = self.act(gate) * up
+            if self.silu_mul:
+                x = cpu_fused.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                x = self.act(gate) * up
             down = layer.down(x)
             x = batch.lora.apply(index, "down", x, down) if batch.lora is not None else down
             if layer.post_ffn_norm is not None:
@@ -258,10 +264,13 @@ class DecoderLM:
             qk = torch.cat([self._norm(qk[:, : self.num_heads], layer.q_norm),
                             self._norm(qk[:, self.num_heads:], layer.k_norm)], dim=1)
         # q and k rotate together: one pass over both instead of one per tensor.
-        cos, sin = self._rope_rows(layer.rope, batch)
-        qk = layer.rope.apply(qk, cos, sin)
+        if not (self.cpu_fused and layer.rope.rotary_dim == self.head_dim
+                and cpu_fused.rope_write_kv(qk, v, layer.rope.cos, layer.rope.sin, batch.positions,
+                                            batch.slots[index], kv.k, kv.v, kv.pos, self.num_heads)):
+            cos, sin = self._rope_rows(layer.rope, batch)
+            qk = layer.rope.apply(qk, cos, sin)
+            pa.write_kv(kv.k, kv.v, kv.pos, batch.slots[index], qk[:, self.num_heads:], v, batch.positions)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        pa.write_kv(kv.k, kv.v, kv.pos, batch.slots[index], k, v, batch.positions)
 
         out = torch.empty_like(q)
         window, softcap = layer.sliding_window, self.attn_softcap

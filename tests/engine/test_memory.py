@@ -1,0 +1,47 @@
+"""Huge-page buffers (inference/memory.py): zeroed, aligned, alive as long as a view is, plain where they gain
+nothing; and the layers that use them compute what they did."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from inference import memory
+from inference.kv_cache import KVLayout, KVPool
+from inference.models.layers import Linear
+
+
+def test_a_large_buffer_is_zeroed_aligned_to_a_huge_page_and_outlives_its_mapping_handle() -> None:
+    t = memory.zeros((3 << 20,), torch.float32)
+    assert t.shape == (3 << 20,) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % memory.HUGE_PAGE == 0
+    assert int(t.count_nonzero()) == 0
+    view = t[5:9]
+    del t
+    gc.collect()
+    view.copy_(torch.arange(4.0))  # the mapping is still there: the view keeps it alive
+    assert view.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_small_buffers_other_devices_and_the_switch_give_plain_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = memory.zeros((16, 16), torch.bfloat16)
+    assert small.dtype == torch.bfloat16 and int(small.count_nonzero()) == 0
+    monkeypatch.setenv("HEARTH_HUGEPAGES", "off")
+    assert not memory.enabled()
+    big = memory.zeros((1 << 20, 4), torch.int32)
+    assert big.shape == (1 << 20, 4) and int(big.count_nonzero()) == 0
+
+
+def test_copies_equal_their_source_and_layers_on_them_compute_the_same() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=gen)  # 3.5 MB: on huge pages
+    assert torch.equal(memory.copy(w), w)
+    layer = Linear(w)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 576, generator=gen)
+        torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-4)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    pool = KVPool(layout, 1024, torch.device("cpu"))
+    assert pool.k.shape == (1024, 16, 64) and int(pool.k.count_nonzero()) == 0 and int(pool.pos.count_nonzero()) == 0
