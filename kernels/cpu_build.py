@@ -21,8 +21,10 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the ker
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-# Where the CPU has them, kernels may also use AVX-512 BF16 dot products (`#ifdef __AVX512BF16__`).
-BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512bf16")
+# Where the CPU has them, kernels may also use 16-lane loops (`#ifdef __AVX512F__`) and AVX-512 BF16 dot
+# products (`#ifdef __AVX512BF16__`).
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw")
+BF16_FLAGS = ("-mavx512bf16",)
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -36,8 +38,11 @@ def _cpu_has(*flags: str) -> bool:
 
 
 def flags() -> tuple[str, ...]:
-    """This machine's compiler flags: the AVX2 baseline, plus AVX-512 BF16 where the CPU has it."""
-    return FLAGS + (BF16_FLAGS if _cpu_has("avx512f", "avx512bw", "avx512_bf16") else ())
+    """This machine's compiler flags: the AVX2 baseline, plus AVX-512 (and its BF16 dot products) where the CPU
+    has them. HEARTH_CPU_AVX512=off keeps the baseline (the AVX2 paths, on any machine: tests and comparisons)."""
+    if os.environ.get("HEARTH_CPU_AVX512", "auto") == "off" or not _cpu_has("avx512f", "avx512bw"):
+        return FLAGS
+    return FLAGS + AVX512_FLAGS + (BF16_FLAGS if _cpu_has("avx512_bf16") else ())
 
 
 def cache_dir() -> Path:

@@ -8,8 +8,9 @@ import torch
 
 from kernels import cpu_fused
 
-pytestmark = pytest.mark.skipif(not cpu_fused.supports(torch.zeros(1)),
-                                reason="the fused CPU kernels need a C compiler and a CPU with AVX2 and FMA")
+pytestmark = [pytest.mark.skipif(not cpu_fused.supports(torch.zeros(1)),
+                                 reason="the fused CPU kernels need a C compiler and a CPU with AVX2 and FMA"),
+              pytest.mark.usefixtures("isa")]  # native and AVX2 builds: tests/kernels/conftest.py
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -8,8 +8,9 @@ import torch
 from inference.models.layers import Linear
 from kernels import cpu_gemv
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(),
-                                reason="the CPU GEMV kernel needs a C compiler and a CPU with AVX2 and FMA")
+pytestmark = [pytest.mark.skipif(not cpu_gemv.available(),
+                                 reason="the CPU GEMV kernel needs a C compiler and a CPU with AVX2 and FMA"),
+              pytest.mark.usefixtures("isa")]  # native and AVX2 builds: tests/kernels/conftest.py
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -8,8 +8,9 @@ import torch
 from kernels import cpu_paged_attention as cpa
 from kernels import paged_attention as pa
 
-pytestmark = pytest.mark.skipif(not cpa.available(),
-                                reason="the CPU attention kernel needs a C compiler and a CPU with AVX2 and FMA")
+pytestmark = [pytest.mark.skipif(not cpa.available(),
+                                 reason="the CPU attention kernel needs a C compiler and a CPU with AVX2 and FMA"),
+              pytest.mark.usefixtures("isa")]  # native and AVX2 builds: tests/kernels/conftest.py
 
 
 def _case(gen: torch.Generator, batch: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
