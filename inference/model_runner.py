@@ -60,6 +60,14 @@ class ModelRunner:
         self.device = model.device
         self.lora = lora
 
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+        """One group when the CPU attention kernel serves every decode: it reads each sequence's own length, so
+        padding costs nothing there, while each extra group is another call per layer with its own thread
+        start-up and tail. Otherwise groups by length (the gathering references pay for padding)."""
+        if decodes and getattr(self.model, "cpu_attention", False) and not any(map(_observer, decodes)):
+            return [decodes]
+        return _group_by_length(decodes, self.layout.block_size)
+
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
@@ -97,7 +105,7 @@ class ModelRunner:
         if self.lora is not None:
             batch.lora = self.lora.batch(np.concatenate(adapters))
         start = 0
-        for group in _group_by_length(decodes, bs):
+        for group in self._decode_groups(decodes):
             width = -(-(group[-1].seq.blocks.num_cached + 1) // bs)
             tables = np.zeros((len(group), self.layout.num_layers, self.layout.num_kv_heads, width), np.int32)
             lens = np.zeros((len(group), self.layout.num_layers, self.layout.num_kv_heads), np.int32)

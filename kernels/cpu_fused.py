@@ -1,7 +1,7 @@
 """Rotary embedding + KV-cache write, and SiLU(gate) * up, each in one call on CPU in fp32 or bf16
 (csrc/fused.c); `rope_write_kv_ref` and `silu_mul_ref` are the torch references, the decoder's own ops.
 
-The kernels round as the torch ops do, so they give the references' results (SiLU's exp to an ulp). Built by
+The kernels round as the torch ops do, so they give the references' results (SiLU's exp to a few ulp). Built by
 kernels/cpu_build; where they cannot be (or with HEARTH_CPU_KERNELS=off), `supports` is False and the decoder
 keeps its torch ops.
 """
@@ -75,10 +75,16 @@ def rope_write_kv_ref(qk: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor
     pa.write_kv(k_cache, v_cache, pos_cache, slots, qk[:, num_q_heads:], v, positions)
 
 
+def silu_mul_fits(intermediate: int) -> bool:
+    """Whether the kernel takes an MLP this wide (eight lanes at a time)."""
+    return intermediate % 8 == 0
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] (contiguous, gate first) -> silu(gate) * up [T, I]."""
+    """gate_up [T, 2I] (contiguous, gate first, `silu_mul_fits(I)`) -> silu(gate) * up [T, I]."""
     lib = _library()
     assert lib is not None and gate_up.is_contiguous() and gate_up.dtype in DTYPES
+    assert silu_mul_fits(gate_up.shape[1] // 2)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
     kernel = lib.hearth_silu_mul_f32 if gate_up.dtype == torch.float32 else lib.hearth_silu_mul_bf16

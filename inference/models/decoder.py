@@ -126,7 +126,6 @@ class DecoderLM:
                                                self.num_kv_heads))
         # Rotary + KV write and SiLU * up as one C call each on CPU (kernels/cpu_fused): the same results.
         self.cpu_fused = self.triton is None and cpu_fused.supports(torch.empty(0, dtype=dtype, device=device))
-        self.silu_mul = self.cpu_fused and self.act is F.silu
 
         def get(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype)
@@ -168,6 +167,8 @@ class DecoderLM:
                                 if kind == "sliding_attention" else None),
                 rope=tables[rope_key],
             ))
+        self.silu_mul = (self.cpu_fused and self.act is F.silu
+                         and cpu_fused.silu_mul_fits(self.layers[0].gate_up.out_features // 2))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 

@@ -25,24 +25,6 @@
 #define TILE_GROUPS 3
 #define TILE_VECS 4
 
-/* exp(x) for x <= 0 (scores minus their running max), 8 at a time: 2^(x log2 e) split into an integer
- * power (exponent bits) and a degree-6 polynomial of the fraction; relative error about 2e-7. */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    __m256 fi = _mm256_floor_ps(t);
-    __m256 f = _mm256_sub_ps(t, fi);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* Lane i of the result is the sum of v[i]'s eight lanes. */
 static inline __m256 hsum8(const __m256 *v) {
     __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -275,7 +257,7 @@ static inline __attribute__((always_inline)) void decode_pair(
             run_max[g] = m;
             int64_t j = 0;
             for (; j + 8 <= kept; j += 8)
-                _mm256_storeu_ps(s + j, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))));
+                _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m))));
             for (; j < kept; j++) s[j] = expf(s[j] - m);
             float total = 0.f;
             for (j = 0; j < kept; j++) total += s[j];

@@ -2,6 +2,7 @@
 #ifndef HEARTH_SIMD_H
 #define HEARTH_SIMD_H
 #include <immintrin.h>
+#include <stdint.h>
 
 /* The sum of a vector's eight lanes. */
 static inline float hsum(__m256 v) {
@@ -10,6 +11,48 @@ static inline float hsum(__m256 v) {
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
+}
+
+/* exp(x), eight lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r by Cephes'
+ * degree-5 polynomial, 2^n through the exponent bits; relative error about 1e-7. x is clamped to [-87, 88],
+ * where the result is a normal float. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+
+/* Eight bf16 values widened to fp32. */
+static inline __m256 widen8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Eight fp32 lanes -> bf16 bits, round to nearest even as torch's .to(bfloat16) (NaN stays NaN). */
+static inline __m128i narrow8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    /* pack the low 16 bits of each lane: lanes 0-3 and 4-7 sit in the two 128-bit halves */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+/* v rounded to bf16 and widened back: what a bf16 torch op's result holds. */
+static inline __m256 round8_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow8_bf16(v)), 16));
 }
 
 #endif

@@ -1,5 +1,5 @@
 """The fused rotary + KV write and SiLU * up kernels against their torch references on fresh random inputs:
-the same bits for the rotary and the cache, SiLU to an ulp, in fp32 and bf16."""
+the same bits for the rotary and the cache, SiLU to a few ulp, in fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -73,6 +73,6 @@ def test_silu_mul_matches_the_reference(dtype: torch.dtype, rows: int) -> None:
     assert got.shape == (rows, inter) and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    else:  # exp an ulp apart in fp32 can move a bf16 rounding by one step, rarely
+    else:  # exp a few ulp apart in fp32 can move a bf16 rounding by one step, rarely
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-5)
         assert (got != want).float().mean() < 0.01
