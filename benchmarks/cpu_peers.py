@@ -60,16 +60,18 @@ def dtypes(flags: list[str]) -> list[str]:
 
 
 def weight_bytes(model_dir: str, dtype: str) -> int:
-    """Bytes a decode step reads: every parameter once (a tied head and embedding count once), in `dtype`."""
+    """Bytes a decode step reads, in `dtype`: every parameter once, except that an embedding table with a head of
+    its own (untied) is read one row per token, not whole; a tied table is read whole, as the head."""
     from safetensors import safe_open
 
-    count = 0
+    sizes: dict[str, int] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                shape = f.get_slice(key).get_shape()
-                count += math.prod(shape)
-    return count * (4 if dtype == "float32" else 2)
+                sizes[key] = math.prod(f.get_slice(key).get_shape())
+    if any(key.endswith("lm_head.weight") for key in sizes):
+        sizes = {key: n for key, n in sizes.items() if not key.endswith("embed_tokens.weight")}
+    return sum(sizes.values()) * (4 if dtype == "float32" else 2)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -215,10 +215,6 @@ class PrefixMemory:
         holders = self._where.get(key)
         return holders is not None and replica_id in holders
 
-    @property
-    def remembered_sessions(self) -> int:
-        return len(self._placed)
-
     def forget(self, replica_id: str) -> None:
         """A replica died: nothing it held survives it."""
         for k in [k for k, holders in self._where.items() if replica_id in holders]:
