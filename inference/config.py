@@ -50,6 +50,7 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32
 
 
+QUANTIZATIONS = ("none", "int8")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -59,6 +60,7 @@ class EngineConfig:
     """How an engine instance runs. Everything is checked in __post_init__."""
 
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | int8 (weight-only, per output channel: a quarter of fp32's weight bytes)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     kv_cache_memory: int | str = "512MiB"
     block_size: int = 16
@@ -117,6 +119,8 @@ class EngineConfig:
                 raise InvalidRequestError(f"invalid {name}: {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError("max_model_len must be at least 2")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.speculation not in ("off", "ngram", "draft"):
             raise InvalidRequestError(f"speculation must be off, ngram or draft, got {self.speculation!r}")
         if self.speculation == "draft" and not self.draft_model:

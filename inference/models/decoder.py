@@ -45,10 +45,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 @dataclass(slots=True)
 class LayerWeights:
-    qkv: layers.Linear
-    o: layers.Linear
-    gate_up: layers.Linear
-    down: layers.Linear
+    qkv: layers.LinearLayer
+    o: layers.LinearLayer
+    gate_up: layers.LinearLayer
+    down: layers.LinearLayer
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
     pre_ffn_norm: torch.Tensor | None
@@ -96,7 +96,7 @@ class DecoderLM:
     """Holds the weights and runs one step's tokens through the model."""
 
     def __init__(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+                 dtype: torch.dtype, device: torch.device, max_positions: int, quantization: str = "none") -> None:
         config = text_config(config)
         self.config = config
         self.model_type = config.model_type
@@ -135,7 +135,7 @@ class DecoderLM:
         self.final_norm = get(f"{prefix}norm.weight")
         # The plain (unpacked) head matrix is kept for heads over part of the vocabulary (a draft model's).
         self.head_weight = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed
-        self.lm_head = layers.Linear(self.head_weight)
+        self.lm_head = layers.linear(self.head_weight, quantization=quantization)
         self.embed_scale = (torch.tensor(math.sqrt(self.hidden_size), dtype=dtype)
                             if self.spec.embed_scale else None)
 
@@ -152,11 +152,13 @@ class DecoderLM:
             attn, mlp = p + "self_attn.", p + "mlp."
             has_bias = self.spec.qkv_bias or f"{attn}q_proj.bias" in tensors
             self.layers.append(LayerWeights(
-                qkv=layers.Linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]),
-                                  torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if has_bias else None),
-                o=layers.Linear(get(attn + "o_proj.weight")),
-                gate_up=layers.Linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])),
-                down=layers.Linear(get(mlp + "down_proj.weight")),
+                qkv=layers.linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]),
+                                  torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if has_bias else None,
+                                  quantization),
+                o=layers.linear(get(attn + "o_proj.weight"), quantization=quantization),
+                gate_up=layers.linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+                                      quantization=quantization),
+                down=layers.linear(get(mlp + "down_proj.weight"), quantization=quantization),
                 input_norm=get(p + "input_layernorm.weight"),
                 post_attn_norm=get(p + "post_attention_layernorm.weight"),
                 pre_ffn_norm=get(p + "pre_feedforward_layernorm.weight") if self.spec.sandwich_norms else None,

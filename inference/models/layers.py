@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from inference import memory
-from kernels import cpu_gemv
+from kernels import cpu_gemv, cpu_int8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool) -> torch.Tensor:
@@ -74,6 +74,34 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear:
+    """y = x (scale * Q)^T + b with weight-only int8 Q, one fp32 scale per output row (kernels/cpu_int8).
+
+    A quarter of fp32's weight bytes for decode to stream, at a quality cost the catalog's operator opts into
+    (`quantization: "int8"`; docs/benchmarks.md measures it). Activations, sums and the bias keep the model's
+    dtype; Q lives on huge pages like the other weights decode streams."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        quantized = cpu_int8.Int8Weight.from_float(weight)
+        # The packed blocks decode streams every step live on huge pages (inference/memory.py).
+        self.weight = cpu_int8.Int8Weight(memory.copy(quantized.packed), quantized.scale, quantized.out_features,
+                                          quantized.in_features, quantized.block)
+        self.bias = bias.contiguous() if bias is not None else None
+        self.nbytes = self.weight.nbytes + (bias.numel() * bias.element_size() if bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.linear(x, self.weight, self.bias)
+
+
+LinearLayer = Linear | Int8Linear
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none") -> LinearLayer:
+    """The layer for this weight under the model's quantization setting."""
+    return Int8Linear(weight, bias) if quantization == "int8" else Linear(weight, bias)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

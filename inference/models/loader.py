@@ -60,7 +60,8 @@ def load_model(name_or_path: str | os.PathLike[str], config: EngineConfig | None
     context = int(getattr(hf_config, "max_position_embeddings", 2048))
     if config.max_model_len:
         context = min(context, config.max_model_len)
-    model = DecoderLM(hf_config, checkpoint.tensors(), dtype, device, max_positions=context)
+    model = DecoderLM(hf_config, checkpoint.tensors(), dtype, device, max_positions=context,
+                      quantization=config.quantization)
     tokenizer = checkpoint.tokenizer
     name = str(name_or_path) if str(name_or_path) in BUNDLED_MODELS else path.name
     info = ModelInfo(

@@ -10,36 +10,20 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "simd.h"
 
 static inline __m256 load8_f32(const void *p, int64_t i) { return _mm256_loadu_ps((const float *)p + i); }
 
-static inline __m256 load8_bf16(const void *p, int64_t i) {
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+static inline __m256 load8_bf16(const void *p, int64_t i) { return widen8_bf16((const uint16_t *)p + i); }
 
 static inline float load1_f32(const void *p, int64_t i) { return p ? ((const float *)p)[i] : 0.f; }
 
-static inline float load1_bf16(const void *p, int64_t i) {
-    if (!p) return 0.f;
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static inline float load1_bf16(const void *p, int64_t i) { return p ? widen1_bf16(((const uint16_t *)p)[i]) : 0.f; }
 
 static inline void store1_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
 
-/* fp32 -> bf16, round to nearest even (as torch's .to(bfloat16)); NaN stays NaN. */
-static inline void store1_bf16(void *p, int64_t i, float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
-                                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+static inline void store1_bf16(void *p, int64_t i, float x) { ((uint16_t *)p)[i] = narrow1_bf16(x); }
 
 typedef __m256 (*load8_fn)(const void *, int64_t);
 typedef float (*load1_fn)(const void *, int64_t);

@@ -33,6 +33,19 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
 }
 
+/* One bf16 value widened to fp32, and one fp32 value rounded to bf16 as torch's .to(bfloat16) does (nearest
+ * even; NaN stays NaN). */
+static inline float widen1_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t narrow1_bf16(float x) {
+    union { float f; uint32_t u; } v = {x};
+    return (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((v.u >> 16) | 0x40)
+                                             : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 /* Eight bf16 values widened to fp32. */
 static inline __m256 widen8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));

@@ -7,12 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kernels import cpu_build, cpu_fused, cpu_gemv, cpu_norm
+from kernels import cpu_build, cpu_fused, cpu_gemv, cpu_int8, cpu_norm
 from kernels import cpu_paged_attention as cpa
 
 
 def _forget_libraries() -> None:
-    for cached in (cpu_build.load, cpu_gemv._library, cpa._library, cpu_norm._library, cpu_fused._library):
+    for cached in (cpu_build.load, cpu_gemv._library, cpa._library, cpu_norm._library, cpu_fused._library,
+                   cpu_int8._library):
         cached.cache_clear()
 
 

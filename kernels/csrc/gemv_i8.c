@@ -1,0 +1,150 @@
+/* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ b[n]): products with weight-only int8 weights (one scale per
+ * output column of y, i.e. per row of w), x, b and y in fp32 (_f32) or bf16 (_bf16), sums in fp32, each output
+ * rounded once.
+ *
+ * Weight-only int8 reads a quarter of fp32's bytes per weight, and decode is the speed at which weights stream.
+ * The weights are packed once (kernels/cpu_int8.pack) into column blocks of BW outputs: block c holds, for each
+ * k in turn, the BW weights of outputs [c * BW, c * BW + BW), so a block is one sequential stream. A tile of MR
+ * rows of x against one block keeps MR x BW fp32 sums in registers: each step of k widens the block's BW weights
+ * int8 -> int32 -> fp32 once (exact: every int8 is an fp32) and multiplies them by each of the MR rows' x[k],
+ * broadcast, so the widening is shared by the tile's rows and there is no horizontal sum at the end. One row
+ * (decode) is the same loop with MR = 1: a GEMV streaming the block. With AVX-512 a block is 32 outputs and a
+ * tile 12 rows (24 of 32 registers hold sums); with AVX2 16 outputs and 6 rows (12 of 16). Threads split the
+ * blocks; a block stays in L2 while every tile of x passes over it. bf16 x is widened to fp32 once per call into
+ * a buffer the caller passes. Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+#ifdef __AVX512F__
+#define VL 16
+#define MR 12
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec load_w(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vec bcast(const float *p) { return _mm512_set1_ps(*p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+#else
+#define VL 8
+#define MR 6
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec load_w(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vec bcast(const float *p) { return _mm256_broadcast_ss(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+#endif
+#define NB 2             /* vectors per block */
+#define BW (NB * VL)     /* outputs per block */
+
+/* The block width the packed layout must use with this build. */
+int64_t hearth_i8_block_width(void) { return BW; }
+
+/* sums[j][c] = sum_k x[m0 + j, k] * block[k][c] for M rows of x (a constant where inlined: the sums live in
+ * registers). Each sum is a chain of dependent FMAs, and with one or two rows there are too few chains to hide
+ * an FMA's latency: those tiles keep U = 4 / M sets of sums over interleaved steps of k, added at the end. */
+static inline __attribute__((always_inline)) void tile(const float *x, const int8_t *block, int64_t k,
+                                                        int64_t m0, int M, float sums[MR][BW]) {
+    enum { UMAX = 4 };
+    const int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+    vec acc[UMAX][MR][NB];
+    for (int u = 0; u < U; u++)
+        for (int j = 0; j < M; j++)
+            for (int v = 0; v < NB; v++) acc[u][j][v] = vzero();
+    const float *xr = x + m0 * k;
+    int64_t i = 0;
+    for (; i + U <= k; i += U)
+        for (int u = 0; u < U; u++) {
+            vec w[NB];
+            for (int v = 0; v < NB; v++) w[v] = load_w(block + (i + u) * BW + v * VL);
+            for (int j = 0; j < M; j++) {
+                vec xb = bcast(xr + j * k + i + u);
+                for (int v = 0; v < NB; v++) acc[u][j][v] = vfma(w[v], xb, acc[u][j][v]);
+            }
+        }
+    for (; i < k; i++) { /* k % U steps left */
+        vec w[NB];
+        for (int v = 0; v < NB; v++) w[v] = load_w(block + i * BW + v * VL);
+        for (int j = 0; j < M; j++) {
+            vec xb = bcast(xr + j * k + i);
+            for (int v = 0; v < NB; v++) acc[0][j][v] = vfma(w[v], xb, acc[0][j][v]);
+        }
+    }
+    for (int j = 0; j < M; j++)
+        for (int v = 0; v < NB; v++) {
+            vec total = acc[0][j][v];
+            for (int u = 1; u < U; u++) total = vadd(total, acc[u][j][v]);
+            vstore(sums[j] + v * VL, total);
+        }
+}
+
+/* One block of outputs for every row of x, tile by tile: scaled, the bias added, stored as fp32 or rounded once
+ * to bf16 (bf16 a constant where inlined). */
+static inline __attribute__((always_inline)) void block_rows(const float *x, const int8_t *packed,
+                                                              const float *scale, const void *b, void *y, int64_t m,
+                                                              int64_t n, int64_t k, int64_t blk, int bf16) {
+    float sums[MR][BW];
+    const int8_t *block = packed + blk * k * BW;
+    const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
+    for (int64_t m0 = 0; m0 < m; m0 += MR) {
+        const int64_t mc = m - m0 < MR ? m - m0 : MR;
+        switch (mc) { /* one copy per tile height */
+#if MR == 12
+            case 12: tile(x, block, k, m0, 12, sums); break;
+            case 11: tile(x, block, k, m0, 11, sums); break;
+            case 10: tile(x, block, k, m0, 10, sums); break;
+            case 9: tile(x, block, k, m0, 9, sums); break;
+            case 8: tile(x, block, k, m0, 8, sums); break;
+            case 7: tile(x, block, k, m0, 7, sums); break;
+#endif
+            case 6: tile(x, block, k, m0, 6, sums); break;
+            case 5: tile(x, block, k, m0, 5, sums); break;
+            case 4: tile(x, block, k, m0, 4, sums); break;
+            case 3: tile(x, block, k, m0, 3, sums); break;
+            case 2: tile(x, block, k, m0, 2, sums); break;
+            default: tile(x, block, k, m0, 1, sums); break;
+        }
+        for (int64_t j = 0; j < mc; j++)
+            for (int64_t c = 0; c < width; c++) {
+                const int64_t at = (m0 + j) * n + c0 + c;
+                if (bf16) {
+                    const float bias = b ? widen1_bf16(((const uint16_t *)b)[c0 + c]) : 0.f;
+                    ((uint16_t *)y)[at] = narrow1_bf16(sums[j][c] * scale[c0 + c] + bias);
+                } else {
+                    ((float *)y)[at] = sums[j][c] * scale[c0 + c] + (b ? ((const float *)b)[c0 + c] : 0.f);
+                }
+            }
+    }
+}
+
+#define PRODUCT(BF16)                                                                                           \
+    do {                                                                                                       \
+        const int64_t blocks = (n + BW - 1) / BW;                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")                    \
+        for (int64_t blk = 0; blk < blocks; blk++) block_rows(x, packed, scale, b, y, m, n, k, blk, BF16);     \
+    } while (0)
+
+/* x [m, k] fp32; packed: ceil(n / BW) blocks of [k][BW] int8 (outputs past n zero); scale [n] fp32; b [n] fp32
+ * or NULL; y [m, n] fp32. threads: torch's count (omp_set_num_threads only set it for the thread that called
+ * torch.set_num_threads). */
+void hearth_gemv_i8_f32(const float *x, const int8_t *packed, const float *scale, const float *b, float *y,
+                        int64_t m, int64_t n, int64_t k, int64_t threads) {
+    PRODUCT(0);
+}
+
+/* The same with x, b and y in bf16. xf: a buffer of m * k floats, which receives x widened. */
+void hearth_gemv_i8_bf16(const uint16_t *xb, const int8_t *packed, const float *scale, const uint16_t *b,
+                         uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t threads, float *xf) {
+    for (int64_t i = 0; i < m * k; i++) xf[i] = widen1_bf16(xb[i]);
+    const float *x = xf;
+    PRODUCT(1);
+}

@@ -1,0 +1,93 @@
+"""Weight-only int8: quantization, the C product against its torch reference on fresh random inputs (fp32 and
+bf16 activations, every tile height and leftover row), and the Int8Linear layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference.models.layers import Int8Linear, linear
+from kernels import cpu_int8
+
+pytestmark = [pytest.mark.skipif(not cpu_int8.available(),
+                                 reason="the CPU int8 kernel needs a C compiler and a CPU with AVX2 and FMA"),
+              pytest.mark.usefixtures("isa")]  # native and AVX2 builds: tests/kernels/conftest.py
+
+
+def test_quantize_rounds_each_row_to_its_own_scale() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 48, generator=gen) * torch.logspace(-3, 1, 37)[:, None]  # rows of very different sizes
+    w[5] = 0.0
+    q, scale = cpu_int8.quantize(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    torch.testing.assert_close(scale[6:], w[6:].abs().amax(1) / 127)
+    assert scale[5] == 1.0 and not q[5].any()  # a zero row divides by nothing
+    error = (cpu_int8.dequantize(q, scale) - w).abs()
+    assert bool((error <= scale[:, None] / 2 * (1 + 1e-5)).all())  # round to nearest: at most half a step
+
+
+def test_packing_keeps_every_weight_and_pads_with_zeros() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 31, 32, 33, 100):
+        weight = cpu_int8.Int8Weight.from_float(torch.randn(n, 40, generator=gen))
+        block = weight.block
+        assert block in (16, 32) and weight.packed.shape == (-(-n // block), 40, block)
+        q, _ = cpu_int8.quantize(torch.randn(n, 40, generator=gen))
+        packed = cpu_int8.pack(q, block)
+        assert torch.equal(packed.transpose(1, 2).reshape(-1, 40)[:n], q)
+        assert not packed.transpose(1, 2).reshape(-1, 40)[n:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_product_matches_the_reference_on_random_shapes(dtype: torch.dtype, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        m = int(torch.randint(1, 41, (), generator=gen))  # every tile height, and partial tiles
+        n = int(torch.randint(1, 300, (), generator=gen))  # a last block of outputs partly empty
+        k = int(torch.randint(1, 600, (), generator=gen))
+        weight = cpu_int8.Int8Weight.from_float(torch.randn(n, k, generator=gen))
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if seed % 2 else None
+        got = cpu_int8.linear(x, weight, bias)
+        want = cpu_int8.linear_ref(x, weight.unpacked(), weight.scale, bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        if dtype == torch.float32:  # only the order of the fp32 additions differs
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        else:  # the same fp32 sum rounded once: at most one bf16 step apart where the orders differ
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_product_takes_leading_dims_strided_input_and_any_thread_count() -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = cpu_int8.Int8Weight.from_float(torch.randn(96, 64, generator=gen))
+    x = torch.randn(64, 6, generator=gen).t().reshape(2, 3, 64)  # built from a transposed (strided) tensor
+    want = cpu_int8.linear_ref(x, weight.unpacked(), weight.scale)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            got = cpu_int8.linear(x, weight)
+            assert got.shape == (2, 3, 96)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int8_layer_stays_within_the_rounding_of_its_weights() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(200, 128, generator=gen) / 128 ** 0.5, torch.randn(200, generator=gen)
+    layer = linear(w, b, quantization="int8")
+    assert isinstance(layer, Int8Linear) and layer.weight.packed.dtype == torch.int8
+    assert layer.nbytes == 200 * 128 + 200 * 4 + 200 * 4  # a quarter of fp32's weight bytes, plus scales
+    x = torch.randn(5, 128, generator=gen)
+    exact = F.linear(x, w, b)
+    got = layer(x)
+    dequantized = cpu_int8.dequantize(layer.weight.unpacked(), layer.weight.scale)
+    torch.testing.assert_close(got, F.linear(x, dequantized, b), rtol=1e-5, atol=1e-4)
+    # Each weight is off by at most half its row's step: the error is bounded by |x| * that step, far under it.
+    bound = x.abs().sum(1, keepdim=True) * layer.weight.scale[None, :] / 2
+    assert bool(((got - exact).abs() <= bound).all())
+    assert 0 < float((got - exact).abs().max()) < 0.05 * float(exact.abs().max())
