@@ -6,7 +6,9 @@ vLLM lives in its own venv (VLLM_PYTHON, default /tmp/vllm-venv/bin/python; see 
 make it): it is large and never a dependency of Hearth. Without it the table says so and shows Hearth alone.
 Each engine runs `benchmarks/peers.py` in a fresh process; pairs alternate (hearth, vllm, hearth, vllm, ...)
 so drift on a shared machine hits both alike; ratios are taken within each pair, and the median and the range
-of those ratios are reported.
+of those ratios are reported. Hearth also runs with weight-only int8 weights (`quantization: "int8"`) in the same
+pairs, as rows of their own against the same vLLM runs (HEARTH_PEERS_INT8=0 leaves them out); their quality cost
+is measured by `python -m inference.eval.quant`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "peers.py"
 MODELS = ["@hearth/smollm2-135m-instruct"]
-QWEN = "@hearth/qwen2.5-coder-0.5b-instruct"  # HEARTH_PEERS_QWEN=1 adds it (about three times the run time)
+# HEARTH_PEERS_QWEN=1 adds it (about three times the run time); =single adds its single-stream rows alone.
+QWEN = "@hearth/qwen2.5-coder-0.5b-instruct"
+WORKLOADS = ("single", "concurrent")
 PAIRS = int(os.environ.get("HEARTH_PEERS_PAIRS", "3"))
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
 def vllm_python() -> str | None:
@@ -35,8 +40,11 @@ def vllm_python() -> str | None:
 
 def _once(python: str, engine: str, workload: str, model: str, model_dir: str, threads: int,
           new_tokens: int, dtype: str) -> dict[str, Any]:
-    cmd = [python, str(SCRIPT), engine, workload, "--model-dir", model_dir, "--model-id", model,
-           "--threads", str(threads), "--new-tokens", str(new_tokens), "--dtype", dtype]
+    """One process of peers.py; engine `hearth_int8` is Hearth with int8 weights."""
+    quantization = "int8" if engine == "hearth_int8" else "none"
+    cmd = [python, str(SCRIPT), engine.removesuffix("_int8"), workload, "--model-dir", model_dir, "--model-id",
+           model, "--threads", str(threads), "--new-tokens", str(new_tokens), "--dtype", dtype,
+           "--quantization", quantization]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=env)
     for line in reversed(out.stdout.splitlines()):
@@ -60,8 +68,9 @@ def dtypes(flags: list[str]) -> list[str]:
 
 
 def weight_bytes(model_dir: str, dtype: str) -> int:
-    """Bytes a decode step reads, in `dtype`: every parameter once, except that an embedding table with a head of
-    its own (untied) is read one row per token, not whole; a tied table is read whole, as the head."""
+    """Bytes a decode step reads with weights in `dtype` (float32, bfloat16 or int8): every parameter once, except
+    that an embedding table with a head of its own (untied) is read one row per token, not whole; a tied table is
+    read whole, as the head. int8's per-row scales are a rounding error here."""
     from safetensors import safe_open
 
     sizes: dict[str, int] = {}
@@ -71,7 +80,7 @@ def weight_bytes(model_dir: str, dtype: str) -> int:
                 sizes[key] = math.prod(f.get_slice(key).get_shape())
     if any(key.endswith("lm_head.weight") for key in sizes):
         sizes = {key: n for key, n in sizes.items() if not key.endswith("embed_tokens.weight")}
-    return sum(sizes.values()) * (4 if dtype == "float32" else 2)
+    return sum(sizes.values()) * BYTES_PER_WEIGHT[dtype]
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -84,28 +93,38 @@ def run(quick: bool = False) -> dict[str, Any]:
     peer = vllm_python()
     flags = cpu_flags()
     rows: list[dict[str, Any]] = []
-    models = MODELS + ([QWEN] if os.environ.get("HEARTH_PEERS_QWEN") == "1" else [])
+    qwen = os.environ.get("HEARTH_PEERS_QWEN", "0")
+    models = MODELS + ([QWEN] if qwen != "0" else [])
+    int8 = os.environ.get("HEARTH_PEERS_INT8", "1") != "0"
     bandwidths = [memory_bandwidth_gbs()]
     for model, dtype in ((m, d) for m in models for d in dtypes(flags)):
         model_dir = str(model_path(model))
-        for workload in ("single", "concurrent"):
-            runs: dict[str, list[float]] = {"hearth": [], "vllm": [], "transformers": []}
+        workloads = WORKLOADS if model != QWEN or qwen == "1" else [w for w in WORKLOADS if w in qwen.split(",")]
+        for workload in workloads:
+            runs: dict[str, list[float]] = {"hearth": [], "hearth_int8": [], "vllm": [], "transformers": []}
             versions: dict[str, str] = {}
             for _ in range(pairs):
-                engines = [("hearth", sys.executable)] + ([("vllm", peer)] if peer else [])
+                engines = [("hearth", sys.executable)] + ([("hearth_int8", sys.executable)] if int8 else []) \
+                    + ([("vllm", peer)] if peer else [])
                 if workload == "single":
                     engines.append(("transformers", sys.executable))
                 for engine, python in engines:
                     r = _once(python, engine, workload, model, model_dir, threads, new_tokens, dtype)
                     runs[engine].append(r["tok_s"])
                     versions[engine] = r["version"]
-            ratios = [h / v for h, v in zip(runs["hearth"], runs["vllm"], strict=False)]
             bandwidths.append(memory_bandwidth_gbs())
-            rows.append({"model": model, "dtype": dtype, "workload": workload, "runs": runs, "versions": versions,
-                         "weight_bytes": weight_bytes(model_dir, dtype),
-                         "median": {k: statistics.median(v) for k, v in runs.items() if v},
-                         "ratio": statistics.median(ratios) if ratios else None,
-                         "ratio_range": [min(ratios), max(ratios)] if ratios else None})
+            for engine, bytes_as in (("hearth", dtype), ("hearth_int8", "int8")):
+                if not runs[engine]:
+                    continue
+                ratios = [h / v for h, v in zip(runs[engine], runs["vllm"], strict=False)]
+                own = {"hearth": runs[engine], "vllm": runs["vllm"],
+                       "transformers": runs["transformers"] if engine == "hearth" else []}
+                rows.append({"model": model, "dtype": dtype, "workload": workload, "versions": versions,
+                             "quantization": "int8" if engine == "hearth_int8" else "none", "runs": own,
+                             "weight_bytes": weight_bytes(model_dir, bytes_as),
+                             "median": {k: statistics.median(v) for k, v in own.items() if v},
+                             "ratio": statistics.median(ratios) if ratios else None,
+                             "ratio_range": [min(ratios), max(ratios)] if ratios else None})
     return {"rows": rows, "pairs": pairs, "threads": threads, "new_tokens": new_tokens, "flags": ", ".join(flags),
             "peer": bool(peer), "bandwidth_gbs": statistics.median(bandwidths)}
 
@@ -115,14 +134,16 @@ def markdown(r: dict[str, Any]) -> str:
     versions = {k: v for row in r["rows"] for k, v in row["versions"].items()}
     lines = [f"Greedy, {r['new_tokens']} output tokens, {r['threads']} threads; CPU flags: {r['flags']}; "
              f"{r['pairs']} alternating pairs of fresh processes, medians (ratio: median of the per-pair ratios, "
-             f"range in brackets). Engines: {', '.join(sorted(versions.values()))}.", ""]
+             f"range in brackets). Engines: {', '.join(sorted(set(versions.values())))}.", ""]
     if not r["peer"]:
         lines += ["vLLM's CPU venv was not found (VLLM_PYTHON), so Hearth runs alone here.", ""]
     bandwidth = r.get("bandwidth_gbs")
     if bandwidth:
         lines += [f"Ceiling of a single stream: copy bandwidth (bytes read + written, median over the run: "
                   f"{bandwidth:.1f} GB/s) over the weight bytes one decode step reads; the share is Hearth's.", ""]
-    lines += ["| model | dtype | workload | Hearth | vLLM CPU | Hearth / vLLM | transformers | ceiling (share) |",
+    lines += ["Rows marked int8 weights are Hearth with weight-only int8 weights (activations in the row's dtype) against "
+              "vLLM unquantized in that dtype, from the same pairs; their ceiling counts one byte per weight.", "",
+              "| model | dtype | workload | Hearth | vLLM CPU | Hearth / vLLM | transformers | ceiling (share) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["rows"]:
         m = row["median"]
@@ -134,6 +155,7 @@ def markdown(r: dict[str, Any]) -> str:
         if bandwidth and row["workload"] == "single" and row.get("weight_bytes"):
             top = bandwidth * 1e9 / row["weight_bytes"]
             ceiling = f"{top:.0f} ({m['hearth'] / top:.0%})"
-        lines.append(f"| {row['model']} | {row.get('dtype', 'float32')} | {names[row['workload']]} | {m['hearth']:.1f} | "
+        dtype = row.get("dtype", "float32") + (", int8 weights" if row.get("quantization") == "int8" else "")
+        lines.append(f"| {row['model']} | {dtype} | {names[row['workload']]} | {m['hearth']:.1f} | "
                      f"{peer} | {ratio} | {hf} | {ceiling} |")
     return "\n".join(lines)

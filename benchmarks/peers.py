@@ -1,10 +1,11 @@
 """One engine, one workload, one JSON line: the same measurement under any interpreter.
 
     python benchmarks/peers.py ENGINE WORKLOAD --model-dir DIR [--model-id ID] [--dtype float32] [--threads 2]
+                               [--quantization int8]
 
 ENGINE is hearth (this checkout's engine), vllm (vLLM's CPU build, in its own venv) or transformers
-(`generate`). WORKLOAD is `single` (one stream, 128 greedy tokens) or `concurrent` (32 requests, prompts of
-30-300 tokens, 128 greedy tokens each). Prompts are token ids cut from fixed English text with the model's own
+(`generate`); `--quantization int8` gives Hearth weight-only int8 weights. WORKLOAD is `single` (one stream,
+128 greedy tokens) or `concurrent` (32 requests, prompts of 30-300 tokens, 128 greedy tokens each). Prompts are token ids cut from fixed English text with the model's own
 tokenizer, so every engine sees the identical work. The script needs only the standard library, the engine
 under test and a tokenizer: it must run in vLLM's venv, which has none of Hearth's dependencies.
 
@@ -43,7 +44,8 @@ def hearth(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[Callable
 
     torch.set_num_threads(args.threads)
     llm = LLM(args.model_id, EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=64,
-                                          max_num_batched_tokens=2048, speculation="off", num_threads=args.threads))
+                                          max_num_batched_tokens=2048, speculation="off", num_threads=args.threads,
+                                          quantization=args.quantization))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
 
     def go() -> list[list[int]]:
@@ -102,6 +104,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--quantization", default="none", help="hearth only: none or int8")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -116,6 +119,7 @@ def main() -> None:
         seconds.append(time.perf_counter() - start)
     tokens = sum(len(o) for o in out)
     print(json.dumps({"engine": args.engine, "workload": args.workload, "version": version, "dtype": args.dtype,
+                      "quantization": args.quantization,
                       "threads": args.threads, "requests": len(prompts), "output_tokens": tokens,
                       "tok_s": tokens / statistics.median(seconds), "runs_s": seconds,
                       "greedy_first": first[0][:16]}))

@@ -124,7 +124,7 @@ def _score(item: Item, text: str) -> float:
     return sum(e.lower() in lower for e in item.expected) / len(item.expected)
 
 
-def _agreement(reference: list[int], chosen: list[int]) -> tuple[float, float]:
+def agreement_scores(reference: list[int], chosen: list[int]) -> tuple[float, float]:
     """(next-token agreement, run before the first miss), both as shares of the reference continuation.
 
     chosen[t] is the compressed model's greedy choice at position t given the reference's first t tokens, so
@@ -170,7 +170,7 @@ def evaluate(llm: LLM, items: list[Item], rates: Sequence[float], methods: Seque
             name = f"{method} {rate:g}"
             if agreement:
                 chosen = reference if method == "full" else [lp.top[0][0] for lp in out.all_logprobs or []]
-                value, run = _agreement(reference, chosen)
+                value, run = agreement_scores(reference, chosen)
                 record.setdefault("first_miss", {})[name] = run
                 for key in ((method, rate),) if method != "full" else [(m.value, 1.0) for m in methods]:
                     runs.setdefault(key, []).append(run)

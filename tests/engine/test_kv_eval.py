@@ -6,7 +6,7 @@ import pytest
 
 from inference import LLM, EngineConfig
 from inference.compression import EvictionMethod
-from inference.eval.kv import _agreement, _score, build_items, evaluate, head_to_head, markdown
+from inference.eval.kv import _score, agreement_scores, build_items, evaluate, head_to_head, markdown
 from tests.engine.conftest import QWEN, require_installed
 
 
@@ -18,8 +18,8 @@ def test_items_are_reproducible_and_hold_their_facts() -> None:
     for item in items:
         text = item.messages[0]["content"]
         assert len(text) >= 3000 and all(e in text for e in item.expected)
-    assert _agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 0.5)  # a miss does not end the comparison
-    assert _agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, 1.0)
+    assert agreement_scores([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 0.5)  # a miss does not end the comparison
+    assert agreement_scores([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, 1.0)
     multi = items[2]
     first, second = multi.expected
     assert len(multi.expected) == 2 and first != second
