@@ -54,6 +54,8 @@ def _tenant() -> tuple[str, str]:
     from controlplane.accounts.services import get_or_create_account, issue_key
 
     account, _ = get_or_create_account("bench")
+    # A paid plan: the free daily allocation would refuse the load generator (429, 3036) part way through a run.
+    type(account).objects.filter(pk=account.pk).update(paid_plan=True)
     # Unlimited rate so the load generator measures the API, not the limiter refusing it.
     _, secret = issue_key(account, name="bench", requests_per_minute=0, tokens_per_minute=0)
     return account.pk, secret
