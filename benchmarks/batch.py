@@ -123,7 +123,8 @@ def _ttft(url: str, secret: str) -> float:
     started = time.perf_counter()
     with httpx.stream("POST", url, headers={"Authorization": f"Bearer {secret}"}, timeout=120, json={
             "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0, "stream": True}) as response:
-        response.raise_for_status()
+        if response.status_code != 200:  # say what refused it: the envelope names the cause
+            raise RuntimeError(f"probe refused: {response.status_code} {response.read().decode()[:500]}")
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("response"):
                 return time.perf_counter() - started

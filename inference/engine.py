@@ -75,6 +75,7 @@ class EngineMetrics:
     grammar_compile_ms_avg: float = 0.0
     jump_forward_proposed: int = 0  # grammar-forced draft tokens, and how many verification kept
     jump_forward_accepted: int = 0
+    interactive_waiting: int = 0  # of queue_depth, those of INTERACTIVE priority (BATCH ones queue behind them)
 
 
 class FrontEnd(Protocol):
@@ -513,6 +514,7 @@ class LLMEngine:
         spec = self.spec.stats.as_dict()
         return EngineMetrics(
             queue_depth=len(self.scheduler.waiting),
+            interactive_waiting=self.scheduler.num_waiting_interactive,
             running=len(self.scheduler.running),
             kv_blocks_total=total,
             kv_blocks_free=free,

@@ -88,6 +88,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_waiting_interactive(self) -> int:
+        """Waiting INTERACTIVE sequences: the queue a new interactive request joins (BATCH ones wait behind it;
+        `waiting` is kept in priority order)."""
+        return bisect.bisect_left(self.waiting, int(Priority.BATCH), key=lambda s: int(s.request.priority))
+
     # ----------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

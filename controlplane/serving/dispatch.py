@@ -40,10 +40,12 @@ class EmbeddingResult:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """How busy a model's engine is, and how long a new request would wait for a sequence slot."""
+    """How busy a model's engine is for a new interactive request, and how long it would wait for a sequence
+    slot. Batch items waiting do not count: they queue behind interactive requests (and the engine caps how many
+    slots they hold), so a running batch never makes an interactive request look late."""
 
     running: int
-    waiting: int
+    waiting: int  # interactive requests waiting
     slots: int
     wait_s: float  # estimated; 0 when a slot is free now
 
@@ -76,10 +78,13 @@ class LoadMeter:
             while len(samples) > 2 and samples[0][0] < now - self.WINDOW_S:
                 samples.popleft()
             (t0, f0), (t1, f1) = samples[0], samples[-1]
-        running, waiting = metrics.running, metrics.queue_depth
+        running, waiting = metrics.running, metrics.interactive_waiting
         if waiting == 0 and running < slots:
             return Load(running, waiting, slots, 0.0)
-        rate = (f1 - f0) / (t1 - t0) if t1 - t0 >= 1.0 and f1 > f0 else 0.0
+        # The samples come with requests, so after a quiet spell the oldest one kept is from before it: a rate over
+        # that span would count the quiet time as slowness.
+        recent = t1 - t0 >= 1.0 and t0 >= now - 2 * self.WINDOW_S
+        rate = (f1 - f0) / (t1 - t0) if recent and f1 > f0 else 0.0
         if rate <= 0.0:  # nothing finished lately: every running sequence takes an average request's time
             each = (metrics.ttft_s_avg or 1.0) + (metrics.tpot_s_avg or 0.05) * ASSUMED_OUTPUT_TOKENS
             rate = max(running, 1) / each

@@ -230,6 +230,20 @@ def test_interactive_requests_are_scheduled_before_batch(tiny_llama) -> None:
     assert order == [interactive.request_id, batch.request_id]
 
 
+def test_metrics_count_the_interactive_requests_waiting_apart(tiny_llama) -> None:
+    llm = _llm(tiny_llama, max_num_seqs=1)
+    engine = llm.engine
+    ids = llm.encode(PROMPTS[0], raw=True)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    for priority in (Priority.BATCH, Priority.INTERACTIVE, Priority.BATCH, Priority.BATCH, Priority.INTERACTIVE):
+        engine.add_request(GenerationRequest(ids, params, priority=priority))
+    metrics = engine.metrics()
+    assert (metrics.queue_depth, metrics.interactive_waiting) == (5, 2)
+    engine.step()  # one interactive request starts: the other is still ahead of every batch item
+    metrics = engine.metrics()
+    assert (metrics.running, metrics.queue_depth, metrics.interactive_waiting) == (1, 4, 1)
+
+
 def test_batch_decodes_sit_out_the_steps_that_compute_an_interactive_prompt(tiny_llama) -> None:
     llm = _llm(tiny_llama, max_num_batched_tokens=16)
     engine = llm.engine
