@@ -2,11 +2,11 @@
 reference.
 
 Decoding one token reads every weight once and does two flops per weight read, so its speed is the rate at
-which weights stream from memory. On the 2-core AVX2 EPYC of docs/benchmarks.md a plain read runs at ~29 GB/s,
-oneDNN's packed fp32 GEMV at ~19 GB/s and the generic `F.linear` at ~10 GB/s: `csrc/gemv_f32.c` closes most of
-that gap for one or two rows (see its header). More rows go to oneDNN, which is as fast from three or four rows
-on and far ahead once the product is compute-bound. bf16 weights are half the bytes: the same kernel widens
-them to fp32 as it loads them, sums in fp32 and rounds each output once (as oneDNN's bf16 products do).
+which weights stream from memory. oneDNN's packed GEMV streams fp32 at ~19 GB/s on the 2-core AVX2 EPYC of
+docs/benchmarks.md, where a plain read runs at ~29: `csrc/gemv.c` closes that gap for one or two rows, on
+weights packed once (`pack`) into column blocks that each stream sequentially (see its header). More rows go
+to oneDNN, which is as fast from three or four rows on and far ahead once the product is compute-bound. bf16
+weights are half the bytes: sums in fp32, each output rounded once (as oneDNN's bf16 products do).
 
 Built by kernels/cpu_build. Without a C compiler, AVX2 and FMA, or with HEARTH_CPU_GEMV=off (or
 HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path.
@@ -15,6 +15,7 @@ HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 
@@ -24,16 +25,17 @@ import torch.nn.functional as F
 from kernels import cpu_build
 
 MAX_ROWS = 2  # from 3-4 rows on, oneDNN's packed GEMM is as fast (measured: docs/benchmarks.md)
-ALIGN = 8  # the kernel walks k eight floats at a time
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load("gemv")
     if lib is not None:
-        for fn in (lib.hearth_gemv_f32, lib.hearth_gemv_bf16):
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-            fn.restype = None
+        lib.hearth_gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        lib.hearth_gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+        lib.hearth_gemv_f32.restype = lib.hearth_gemv_bf16.restype = None
+        for fn in (lib.hearth_gemv_block_width, lib.hearth_gemv_bf16_pairs):
+            fn.argtypes, fn.restype = [], ctypes.c_int64
     return lib
 
 
@@ -42,23 +44,80 @@ def available() -> bool:
 
 
 def supports(weight: torch.Tensor) -> bool:
-    """Whether gemv can take this weight: CPU, fp32 or bf16, contiguous, k a multiple of ALIGN."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[1] % ALIGN == 0 and available())
+    """Whether gemv can take this weight: CPU, fp32 or bf16, 2-d (bf16 with an even k where the build packs bf16
+    in pairs of k)."""
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and available()):
+        return False
+    return not (_pairs(weight.dtype) and weight.shape[1] % 2)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ weight[n, k]^T (+ bias [n]) for m <= MAX_ROWS, on weights `supports` accepted; x and bias
+def _pairs(dtype: torch.dtype) -> bool:
+    lib = _library()
+    return dtype == torch.bfloat16 and lib is not None and bool(lib.hearth_gemv_bf16_pairs())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GemvWeight:
+    """A [n, k] weight as the kernel reads it: `packed` is [ceil(n / block), k, block] (fp32, or bf16 on a
+    build without AVX-512 BF16) or [ceil(n / block), k / 2, block, 2] (bf16 in pairs of k for its dot
+    product); outputs past n are zero."""
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    def unpacked(self) -> torch.Tensor:
+        """The plain [n, k] matrix."""
+        # pairs of k: [blocks, k / 2, block, 2] -> [blocks, block, k / 2, 2]; else [blocks, block, k]
+        p = self.packed.permute(0, 2, 1, 3) if self.packed.dim() == 4 else self.packed.transpose(1, 2)
+        return p.reshape(-1, self.in_features)[: self.out_features]
+
+    def with_packed(self, packed: torch.Tensor) -> GemvWeight:
+        """The same weight with its blocks in another buffer of the same shape (huge pages: inference/memory)."""
+        return dataclasses.replace(self, packed=packed)
+
+
+def pack_blocks(w: torch.Tensor, block: int, pairs: bool = False) -> torch.Tensor:
+    """w [n, k] -> [ceil(n / block), k, block], each block of outputs one contiguous stream, k-major; with
+    `pairs`, [ceil(n / block), k / 2, block, 2]: each step holds a pair of k per output."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // block) * block, k, dtype=w.dtype)
+    padded[:n] = w
+    if pairs:
+        return padded.view(-1, block, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(-1, block, k).transpose(1, 2).contiguous()
+
+
+def pack(weight: torch.Tensor) -> GemvWeight:
+    """`weight` [n, k], which `supports` accepted, in this build's layout."""
+    lib = _library()
+    assert lib is not None
+    packed = pack_blocks(weight.detach(), int(lib.hearth_gemv_block_width()), _pairs(weight.dtype))
+    return GemvWeight(packed, weight.shape[0], weight.shape[1])
+
+
+def gemv(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight^T (+ bias [n]) for m <= MAX_ROWS (more rows work, at no gain over oneDNN); x and bias
     in the weight's dtype, which the result has too."""
     lib = _library()
     assert lib is not None
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.out_features
     x = x.contiguous()
     y = torch.empty(m, n, dtype=weight.dtype)
-    kernel = lib.hearth_gemv_f32 if weight.dtype == torch.float32 else lib.hearth_gemv_bf16
-    kernel(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-           y.data_ptr(), m, n, k, torch.get_num_threads())
+    b = bias.contiguous().data_ptr() if bias is not None else None
+    threads = torch.get_num_threads()
+    if weight.dtype == torch.float32:
+        lib.hearth_gemv_f32(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, n, k, threads)
+    else:
+        widened = None if weight.packed.dim() == 4 else torch.empty(m, k, dtype=torch.float32)
+        lib.hearth_gemv_bf16(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, n, k, threads,
+                             widened.data_ptr() if widened is not None else None)
     return y
 
 

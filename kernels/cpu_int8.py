@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_gemv
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -84,10 +84,7 @@ class Int8Weight:
 
 def pack(q: torch.Tensor, block: int) -> torch.Tensor:
     """q [n, k] -> [ceil(n / block), k, block]: each block of outputs one contiguous stream, k-major."""
-    n, k = q.shape
-    padded = torch.zeros(-(-n // block) * block, k, dtype=q.dtype)
-    padded[:n] = q
-    return padded.view(-1, block, k).transpose(1, 2).contiguous()
+    return cpu_gemv.pack_blocks(q, block)
 
 
 def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

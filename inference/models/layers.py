@@ -48,9 +48,9 @@ class Linear:
     Decode is a stream of matrix-vector products whose cost is reading the weights; prefill and large batches
     are compute-bound. On CPU the weight is pre-packed once into oneDNN's blocked layout, the fastest path
     for products of three rows or more (about 150 GFLOP/s at 32 rows against BLAS's 80 on an AVX2 EPYC). For
-    one or two rows, fp32 and bf16 weights also keep their plain layout for kernels/cpu_gemv, which streams
-    them faster than oneDNN (~27 against ~19 GB/s there; docs/benchmarks.md): that copy costs the weight's size
-    again in memory, which HEARTH_CPU_GEMV=off saves.
+    one or two rows, fp32 and bf16 weights are also packed for kernels/cpu_gemv, which streams them faster
+    than oneDNN (docs/benchmarks.md): that copy costs the weight's size again in memory, which
+    HEARTH_CPU_GEMV=off saves.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -59,18 +59,18 @@ class Linear:
         self.nbytes = weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
         weight = weight.contiguous()
         gemv = cpu_gemv.supports(weight) and (bias is None or bias.dtype == weight.dtype)
-        # The copy gemv streams every decode step lives on huge pages (inference/memory.py).
-        self.plain = memory.copy(weight) if gemv else None
+        self.gemv_weight: cpu_gemv.GemvWeight | None = None
+        if gemv:
+            packed = cpu_gemv.pack(weight)
+            # The blocks gemv streams every decode step live on huge pages (inference/memory.py).
+            self.gemv_weight = packed.with_packed(memory.copy(packed.packed))
         self.packed = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) \
             and _onednn_packs(weight.dtype)
-        if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        else:
-            self.weight = self.plain if self.plain is not None else weight
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
-            return cpu_gemv.gemv(x, self.plain, self.bias)
+        if self.gemv_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
+            return cpu_gemv.gemv(x, self.gemv_weight, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -24,10 +24,10 @@ def test_gemv_matches_the_reference_on_random_shapes(seed: int) -> None:
     for _ in range(8):
         m = int(torch.randint(1, cpu_gemv.MAX_ROWS + 1, (), generator=gen))
         n = int(torch.randint(1, 700, (), generator=gen))  # rows left over after the blocks of four included
-        k = 8 * int(torch.randint(1, 200, (), generator=gen))
+        k = int(torch.randint(1, 1600, (), generator=gen))  # steps left over after the unrolled ones included
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
         bias = torch.randn(n, generator=gen) if seed % 2 else None
-        _close(cpu_gemv.gemv(x, w, bias), cpu_gemv.gemv_ref(x, w, bias))
+        _close(cpu_gemv.gemv(x, cpu_gemv.pack(w), bias), cpu_gemv.gemv_ref(x, w, bias))
 
 
 def test_gemv_takes_a_non_contiguous_input_and_any_thread_count() -> None:
@@ -38,7 +38,7 @@ def test_gemv_takes_a_non_contiguous_input_and_any_thread_count() -> None:
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            _close(cpu_gemv.gemv(x, w), cpu_gemv.gemv_ref(x, w))
+            _close(cpu_gemv.gemv(x, cpu_gemv.pack(w)), cpu_gemv.gemv_ref(x, w))
     finally:
         torch.set_num_threads(threads)
 
@@ -47,7 +47,7 @@ def test_linear_uses_the_kernel_for_few_rows_and_the_packed_path_beyond(monkeypa
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(200, 128, generator=gen), torch.randn(200, generator=gen)
     layer = Linear(w, b)
-    assert layer.plain is not None and torch.equal(layer.plain, w)  # the plain copy is the weight
+    assert layer.gemv_weight is not None and torch.equal(layer.gemv_weight.unpacked(), w)  # the same weights
     calls: list[int] = []
     gemv = cpu_gemv.gemv
     monkeypatch.setattr(cpu_gemv, "gemv", lambda x, *a: calls.append(x.shape[0]) or gemv(x, *a))
@@ -55,12 +55,11 @@ def test_linear_uses_the_kernel_for_few_rows_and_the_packed_path_beyond(monkeypa
         x = torch.randn(rows, 128, generator=gen)
         _close(layer(x), torch.nn.functional.linear(x, w, b))
     assert calls == [1, cpu_gemv.MAX_ROWS]
-    # Weights the kernel cannot take keep the other paths: k not a multiple of eight, fp16, a bias of
-    # another dtype.
-    assert Linear(torch.randn(16, 12)).plain is None
-    assert Linear(torch.randn(16, 16, dtype=torch.float16)).plain is None
-    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16), torch.randn(16)).plain is None
-    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).plain is not None
+    # Weights the kernel cannot take keep the other paths: fp16, a bias of another dtype.
+    assert Linear(torch.randn(16, 16, dtype=torch.float16)).gemv_weight is None
+    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16), torch.randn(16)).gemv_weight is None
+    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemv_weight is not None
+    assert Linear(torch.randn(16, 13)).gemv_weight is not None  # fp32: any k
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -69,11 +68,11 @@ def test_bf16_gemv_is_the_fp32_product_of_the_bf16_values_rounded_once(seed: int
     for _ in range(6):
         m = int(torch.randint(1, cpu_gemv.MAX_ROWS + 1, (), generator=gen))
         n = int(torch.randint(1, 500, (), generator=gen))
-        k = 8 * int(torch.randint(1, 150, (), generator=gen))
+        k = 2 * int(torch.randint(1, 600, (), generator=gen))  # even: AVX-512 BF16 packs pairs of k
         x = torch.randn(m, k, generator=gen).bfloat16()
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
         bias = torch.randn(n, generator=gen).bfloat16() if seed % 2 else None
-        got = cpu_gemv.gemv(x, w, bias)
+        got = cpu_gemv.gemv(x, cpu_gemv.pack(w), bias)
         assert got.dtype == torch.bfloat16
         exact = cpu_gemv.gemv_ref(x.float(), w.float(), bias.float() if bias is not None else None)
         # within one bf16 rounding of the exact result (fp32 sums differ from it only in their order)
@@ -87,8 +86,20 @@ def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("HEARTH_CPU_GEMV", "off")
     cpu_gemv._library.cache_clear()
     try:
-        assert not cpu_gemv.available() and Linear(torch.randn(16, 16)).plain is None
+        assert not cpu_gemv.available() and Linear(torch.randn(16, 16)).gemv_weight is None
     finally:
         monkeypatch.delenv("HEARTH_CPU_GEMV")
         cpu_gemv._library.cache_clear()
     assert cpu_gemv.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_keeps_every_weight_and_any_row_count_works(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    for n, k in ((1, 2), (33, 10), (70, 576), (129, 98)):  # one output, partial blocks, whole ones
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        packed = cpu_gemv.pack(w)
+        assert torch.equal(packed.unpacked(), w)
+        x = torch.randn(5, k, generator=gen).to(dtype)  # more rows than decode sends: two at a time
+        got = cpu_gemv.gemv(x, packed).float()
+        torch.testing.assert_close(got, cpu_gemv.gemv_ref(x.float(), w.float()), rtol=2 ** -7, atol=1e-4)
