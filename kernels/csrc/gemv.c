@@ -23,28 +23,13 @@
 
 #include "simd.h"
 
+/* VL-lane bf16 weights widened to fp32 (exact). */
 #ifdef __AVX512F__
-#define VL 16
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline vec vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline vec vbcast(const float *p) { return _mm512_set1_ps(*p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 #else
-#define VL 8
-typedef __m256 vec;
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vload_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline vec vload_bf16(const uint16_t *p) { return widen8_bf16(p); }
-static inline vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 #define NB 2         /* vectors per block */
 #define BW (NB * VL) /* outputs per block */

@@ -18,30 +18,17 @@
 
 #include "simd.h"
 
+/* VL int8 weights widened to fp32 (exact); tiles of MR rows keep 2 * MR of the build's vector registers. */
 #ifdef __AVX512F__
-#define VL 16
 #define MR 12
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec load_w(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-static inline vec bcast(const float *p) { return _mm512_set1_ps(*p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 #else
-#define VL 8
 #define MR 6
-typedef __m256 vec;
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec load_w(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline vec bcast(const float *p) { return _mm256_broadcast_ss(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 #define NB 2             /* vectors per block */
 #define BW (NB * VL)     /* outputs per block */
@@ -67,7 +54,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const int
             vec w[NB];
             for (int v = 0; v < NB; v++) w[v] = load_w(block + (i + u) * BW + v * VL);
             for (int j = 0; j < M; j++) {
-                vec xb = bcast(xr + j * k + i + u);
+                vec xb = vbcast(xr + j * k + i + u);
                 for (int v = 0; v < NB; v++) acc[u][j][v] = vfma(w[v], xb, acc[u][j][v]);
             }
         }
@@ -75,7 +62,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const int
         vec w[NB];
         for (int v = 0; v < NB; v++) w[v] = load_w(block + i * BW + v * VL);
         for (int j = 0; j < M; j++) {
-            vec xb = bcast(xr + j * k + i);
+            vec xb = vbcast(xr + j * k + i);
             for (int v = 0; v < NB; v++) acc[0][j][v] = vfma(w[v], xb, acc[0][j][v]);
         }
     }

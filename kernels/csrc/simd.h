@@ -68,4 +68,26 @@ static inline __m256 round8_bf16(__m256 v) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow8_bf16(v)), 16));
 }
 
+/* The widest fp32 vector this build has (VL lanes: 16 with AVX-512, 8 with AVX2), for kernels written once for
+ * both: zero, load, broadcast, multiply-add, add, store. */
+#ifdef __AVX512F__
+#define VL 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vbcast(const float *p) { return _mm512_set1_ps(*p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+#else
+#define VL 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
 #endif
