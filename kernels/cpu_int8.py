@@ -44,7 +44,10 @@ def _library() -> ctypes.CDLL | None:
         lib.hearth_gemv_i8_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
         lib.hearth_gemv_i8_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
         lib.hearth_gemv_i8_f32.restype = lib.hearth_gemv_i8_bf16.restype = None
-        lib.hearth_i8_block_width.argtypes, lib.hearth_i8_block_width.restype = [], ctypes.c_int64
+        lib.hearth_gemv_i8_bf16_pairs.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+        lib.hearth_gemv_i8_bf16_pairs.restype = None
+        for fn in (lib.hearth_i8_block_width, lib.hearth_i8_bf16_pairs):
+            fn.argtypes, fn.restype = [], ctypes.c_int64
     return lib
 
 
@@ -56,26 +59,35 @@ def available() -> bool:
 class Int8Weight:
     """A quantized [n, k] weight as the kernel reads it: `packed` holds ceil(n / block) column blocks of
     [k, block] int8 (outputs past n are zero), `block` being this machine's build's width (32 with AVX-512, 16
-    with AVX2); block 0 means no kernel here, and `packed` is the plain [n, k] matrix for the reference."""
+    with AVX2), or with `pairs` blocks of [k / 2, block, 2]: a bf16 model's weights on a build with AVX-512 BF16
+    dot products, which take bf16 x only. Block 0 means no kernel here, and `packed` is the plain [n, k]
+    matrix for the reference."""
 
     packed: torch.Tensor
     scale: torch.Tensor  # [n] fp32
     out_features: int
     in_features: int
     block: int
+    pairs: bool = False
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+    def from_float(cls, weight: torch.Tensor, activations: torch.dtype | None = None) -> Int8Weight:
+        """Quantized and packed for products with x of dtype `activations` (default: the weight's own)."""
         q, scale = quantize(weight)
         lib = _library() if weight.device.type == "cpu" else None
         block = int(lib.hearth_i8_block_width()) if lib is not None else 0
-        return cls(pack(q, block) if block else q, scale.to(weight.device), q.shape[0], q.shape[1], block)
+        pairs = bool(block and lib.hearth_i8_bf16_pairs()) and (activations or weight.dtype) == torch.bfloat16 \
+            and q.shape[1] % 2 == 0
+        packed = cpu_gemv.pack_blocks(q, block, pairs) if block else q
+        return cls(packed, scale.to(weight.device), q.shape[0], q.shape[1], block, pairs)
 
     def unpacked(self) -> torch.Tensor:
         """The plain [n, k] int8 matrix."""
         if not self.block:
             return self.packed
-        return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        # pairs of k: [blocks, k / 2, block, 2] -> [blocks, block, k / 2, 2]; else [blocks, block, k]
+        p = self.packed.permute(0, 2, 1, 3) if self.pairs else self.packed.transpose(1, 2)
+        return p.reshape(-1, self.in_features)[: self.out_features]
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +103,8 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
     """x [..., k] @ (scale * q)^T + bias, in x's dtype (bias in x's dtype too): fp32 sums, each output rounded
     once."""
     lib = _library()
-    if not weight.block or lib is None or x.device.type != "cpu" or x.dtype not in DTYPES:
+    if not weight.block or lib is None or x.device.type != "cpu" or x.dtype not in DTYPES \
+            or (weight.pairs and x.dtype != torch.bfloat16):
         return linear_ref(x, weight.unpacked(), weight.scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -104,6 +117,8 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
     packed, scale = weight.packed.data_ptr(), weight.scale.data_ptr()
     if x.dtype == torch.float32:
         lib.hearth_gemv_i8_f32(x2.data_ptr(), packed, scale, b, y.data_ptr(), m, n, k, threads)
+    elif weight.pairs:
+        lib.hearth_gemv_i8_bf16_pairs(x2.data_ptr(), packed, scale, b, y.data_ptr(), m, n, k, threads)
     else:
         widened = torch.empty(m, k, dtype=torch.float32)
         lib.hearth_gemv_i8_bf16(x2.data_ptr(), packed, scale, b, y.data_ptr(), m, n, k, threads, widened.data_ptr())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -87,8 +88,7 @@ class Int8Linear:
         self.out_features, self.in_features = weight.shape
         quantized = cpu_int8.Int8Weight.from_float(weight)
         # The packed blocks decode streams every step live on huge pages (inference/memory.py).
-        self.weight = cpu_int8.Int8Weight(memory.copy(quantized.packed), quantized.scale, quantized.out_features,
-                                          quantized.in_features, quantized.block)
+        self.weight = dataclasses.replace(quantized, packed=memory.copy(quantized.packed))
         self.bias = bias.contiguous() if bias is not None else None
         self.nbytes = self.weight.nbytes + (bias.numel() * bias.element_size() if bias is not None else 0)
 

@@ -55,10 +55,8 @@ static inline __attribute__((always_inline)) vec mac(int kind, vec acc, const vo
                                                      const void *x) {
 #ifdef __AVX512BF16__
     if (kind == BF16_PAIRS) {
-        int32_t pair; /* x[2i], x[2i + 1]: both bf16 halves of one 32-bit broadcast */
-        memcpy(&pair, (const uint16_t *)x + 2 * i, sizeof pair);
         const __m512i w = _mm512_loadu_si512((const uint16_t *)block + (i * BW + v * VL) * 2);
-        return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
+        return _mm512_dpbf16_ps(acc, (__m512bh)w, vbcast_pair_bf16((const uint16_t *)x + 2 * i));
     }
 #endif
     const vec w = kind == F32 ? vload_f32((const float *)block + i * BW + v * VL)

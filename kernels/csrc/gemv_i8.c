@@ -11,7 +11,12 @@
  * (decode) is the same loop with MR = 1: a GEMV streaming the block. With AVX-512 a block is 32 outputs and a
  * tile 12 rows (24 of 32 registers hold sums); with AVX2 16 outputs and 6 rows (12 of 16). Threads split the
  * blocks; a block stays in L2 while every tile of x passes over it. bf16 x is widened to fp32 once per call into
- * a buffer the caller passes. Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
+ * a buffer the caller passes, except with AVX-512 BF16: there the weights of a bf16 model are packed in pairs of
+ * k ([k / 2][BW][2]) and each step widens a pair of int8 weights to a pair of bf16 (exact: int8 fits bf16's
+ * 8-bit significand) for the dot product, which multiplies it by a pair of bf16 x into one fp32 lane. That does
+ * twice the multiply-adds per instruction of the fp32 path, which is what past a few rows (prefill, batches)
+ * decides: oneDNN's bf16 products use the same instruction, and int8 weights lost to them without it.
+ * Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -33,13 +38,54 @@ static inline vec load_w(const int8_t *p) {
 #define NB 2             /* vectors per block */
 #define BW (NB * VL)     /* outputs per block */
 
-/* The block width the packed layout must use with this build. */
+#ifdef __AVX512BF16__
+/* The VL outputs' pairs of int8 weights at p ([VL][2]) as VL pairs of bf16, in the same order. */
+static inline __m512bh load_w_pairs(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + VL))));
+    return _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 values in the low half: pair j is still output j */
+}
+#endif
+
+/* The packed layout this build reads: the block width, and whether a bf16 model's blocks hold pairs of k. */
 int64_t hearth_i8_block_width(void) { return BW; }
 
+int64_t hearth_i8_bf16_pairs(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* acc[j][v] += (vector v of step i of the block) * (step i of row j of xr), for a tile's M rows: one step is one
+ * k of fp32 x, or a pair of k of bf16 x (pairs, a constant where inlined). The step's weights widen once. */
+static inline __attribute__((always_inline)) void step(int pairs, vec acc[MR][NB], const int8_t *block, int64_t i,
+                                                        const void *xr, int64_t k, int M) {
+#ifdef __AVX512BF16__
+    if (pairs) {
+        __m512bh w[NB];
+        for (int v = 0; v < NB; v++) w[v] = load_w_pairs(block + (i * BW + v * VL) * 2);
+        for (int j = 0; j < M; j++) {
+            const __m512bh xb = vbcast_pair_bf16((const uint16_t *)xr + j * k + 2 * i);
+            for (int v = 0; v < NB; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w[v], xb);
+        }
+        return;
+    }
+#endif
+    vec w[NB];
+    for (int v = 0; v < NB; v++) w[v] = load_w(block + i * BW + v * VL);
+    for (int j = 0; j < M; j++) {
+        const vec xb = vbcast((const float *)xr + j * k + i);
+        for (int v = 0; v < NB; v++) acc[j][v] = vfma(w[v], xb, acc[j][v]);
+    }
+}
+
 /* sums[j][c] = sum_k x[m0 + j, k] * block[k][c] for M rows of x (a constant where inlined: the sums live in
- * registers). Each sum is a chain of dependent FMAs, and with one or two rows there are too few chains to hide
- * an FMA's latency: those tiles keep U = 4 / M sets of sums over interleaved steps of k, added at the end. */
-static inline __attribute__((always_inline)) void tile(const float *x, const int8_t *block, int64_t k,
+ * registers). Each sum is a chain of dependent multiply-adds, and with one or two rows there are too few chains
+ * to hide an instruction's latency: those tiles keep U = 4 / M sets of sums over interleaved steps, added at the
+ * end. x is fp32, or bf16 with pairs. */
+static inline __attribute__((always_inline)) void tile(int pairs, const void *x, const int8_t *block, int64_t k,
                                                         int64_t m0, int M, float sums[MR][BW]) {
     enum { UMAX = 4 };
     const int U = M == 1 ? 4 : M == 2 ? 2 : 1;
@@ -47,25 +93,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, const int
     for (int u = 0; u < U; u++)
         for (int j = 0; j < M; j++)
             for (int v = 0; v < NB; v++) acc[u][j][v] = vzero();
-    const float *xr = x + m0 * k;
+    const void *xr = (const char *)x + m0 * k * (pairs ? 2 : 4);
+    const int64_t steps = pairs ? k / 2 : k;
     int64_t i = 0;
-    for (; i + U <= k; i += U)
-        for (int u = 0; u < U; u++) {
-            vec w[NB];
-            for (int v = 0; v < NB; v++) w[v] = load_w(block + (i + u) * BW + v * VL);
-            for (int j = 0; j < M; j++) {
-                vec xb = vbcast(xr + j * k + i + u);
-                for (int v = 0; v < NB; v++) acc[u][j][v] = vfma(w[v], xb, acc[u][j][v]);
-            }
-        }
-    for (; i < k; i++) { /* k % U steps left */
-        vec w[NB];
-        for (int v = 0; v < NB; v++) w[v] = load_w(block + i * BW + v * VL);
-        for (int j = 0; j < M; j++) {
-            vec xb = vbcast(xr + j * k + i);
-            for (int v = 0; v < NB; v++) acc[0][j][v] = vfma(w[v], xb, acc[0][j][v]);
-        }
-    }
+    for (; i + U <= steps; i += U)
+        for (int u = 0; u < U; u++) step(pairs, acc[u], block, i + u, xr, k, M);
+    for (; i < steps; i++) step(pairs, acc[0], block, i, xr, k, M); /* steps % U left */
     for (int j = 0; j < M; j++)
         for (int v = 0; v < NB; v++) {
             vec total = acc[0][j][v];
@@ -75,8 +108,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const int
 }
 
 /* One block of outputs for every row of x, tile by tile: scaled, the bias added, stored as fp32 or rounded once
- * to bf16 (bf16 a constant where inlined). */
-static inline __attribute__((always_inline)) void block_rows(const float *x, const int8_t *packed,
+ * to bf16 (pairs and bf16 constants where inlined). */
+static inline __attribute__((always_inline)) void block_rows(int pairs, const void *x, const int8_t *packed,
                                                               const float *scale, const void *b, void *y, int64_t m,
                                                               int64_t n, int64_t k, int64_t blk, int bf16) {
     float sums[MR][BW];
@@ -86,19 +119,19 @@ static inline __attribute__((always_inline)) void block_rows(const float *x, con
         const int64_t mc = m - m0 < MR ? m - m0 : MR;
         switch (mc) { /* one copy per tile height */
 #if MR == 12
-            case 12: tile(x, block, k, m0, 12, sums); break;
-            case 11: tile(x, block, k, m0, 11, sums); break;
-            case 10: tile(x, block, k, m0, 10, sums); break;
-            case 9: tile(x, block, k, m0, 9, sums); break;
-            case 8: tile(x, block, k, m0, 8, sums); break;
-            case 7: tile(x, block, k, m0, 7, sums); break;
+            case 12: tile(pairs, x, block, k, m0, 12, sums); break;
+            case 11: tile(pairs, x, block, k, m0, 11, sums); break;
+            case 10: tile(pairs, x, block, k, m0, 10, sums); break;
+            case 9: tile(pairs, x, block, k, m0, 9, sums); break;
+            case 8: tile(pairs, x, block, k, m0, 8, sums); break;
+            case 7: tile(pairs, x, block, k, m0, 7, sums); break;
 #endif
-            case 6: tile(x, block, k, m0, 6, sums); break;
-            case 5: tile(x, block, k, m0, 5, sums); break;
-            case 4: tile(x, block, k, m0, 4, sums); break;
-            case 3: tile(x, block, k, m0, 3, sums); break;
-            case 2: tile(x, block, k, m0, 2, sums); break;
-            default: tile(x, block, k, m0, 1, sums); break;
+            case 6: tile(pairs, x, block, k, m0, 6, sums); break;
+            case 5: tile(pairs, x, block, k, m0, 5, sums); break;
+            case 4: tile(pairs, x, block, k, m0, 4, sums); break;
+            case 3: tile(pairs, x, block, k, m0, 3, sums); break;
+            case 2: tile(pairs, x, block, k, m0, 2, sums); break;
+            default: tile(pairs, x, block, k, m0, 1, sums); break;
         }
         for (int64_t j = 0; j < mc; j++)
             for (int64_t c = 0; c < width; c++) {
@@ -113,11 +146,11 @@ static inline __attribute__((always_inline)) void block_rows(const float *x, con
     }
 }
 
-#define PRODUCT(BF16)                                                                                           \
+#define PRODUCT(PAIRS, X, BF16)                                                                                 \
     do {                                                                                                       \
         const int64_t blocks = (n + BW - 1) / BW;                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")                    \
-        for (int64_t blk = 0; blk < blocks; blk++) block_rows(x, packed, scale, b, y, m, n, k, blk, BF16);     \
+        for (int64_t blk = 0; blk < blocks; blk++) block_rows(PAIRS, X, packed, scale, b, y, m, n, k, blk, BF16); \
     } while (0)
 
 /* x [m, k] fp32; packed: ceil(n / BW) blocks of [k][BW] int8 (outputs past n zero); scale [n] fp32; b [n] fp32
@@ -125,13 +158,23 @@ static inline __attribute__((always_inline)) void block_rows(const float *x, con
  * torch.set_num_threads). */
 void hearth_gemv_i8_f32(const float *x, const int8_t *packed, const float *scale, const float *b, float *y,
                         int64_t m, int64_t n, int64_t k, int64_t threads) {
-    PRODUCT(0);
+    PRODUCT(0, x, 0);
 }
 
 /* The same with x, b and y in bf16. xf: a buffer of m * k floats, which receives x widened. */
 void hearth_gemv_i8_bf16(const uint16_t *xb, const int8_t *packed, const float *scale, const uint16_t *b,
                          uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t threads, float *xf) {
     for (int64_t i = 0; i < m * k; i++) xf[i] = widen1_bf16(xb[i]);
-    const float *x = xf;
-    PRODUCT(1);
+    PRODUCT(0, xf, 1);
+}
+
+/* The same with blocks of [k / 2][BW][2] int8 (k even) and x used as it is: builds where hearth_i8_bf16_pairs()
+ * is 1 (elsewhere it does nothing). */
+void hearth_gemv_i8_bf16_pairs(const uint16_t *x, const int8_t *packed, const float *scale, const uint16_t *b,
+                               uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
+#ifdef __AVX512BF16__
+    PRODUCT(1, x, 1);
+#else
+    (void)x, (void)packed, (void)scale, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
+#endif
 }

@@ -3,6 +3,7 @@
 #define HEARTH_SIMD_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The sum of a vector's eight lanes. */
 static inline float hsum(__m256 v) {
@@ -88,6 +89,16 @@ static inline vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+#ifdef __AVX512BF16__
+/* x[0], x[1] (bf16) in every 32-bit lane: the pair of x an AVX-512 BF16 dot product multiplies by each output's
+ * pair of weights. */
+static inline __m512bh vbcast_pair_bf16(const uint16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
 #endif
 
 #endif

@@ -40,6 +40,25 @@ def test_packing_keeps_every_weight_and_pads_with_zeros() -> None:
         assert not packed.transpose(1, 2).reshape(-1, 40)[n:].any()
 
 
+def _bf16_pairs() -> bool:
+    lib = cpu_int8._library()
+    return lib is not None and bool(lib.hearth_i8_bf16_pairs())
+
+
+@pytest.mark.parametrize("k", [40, 41])
+def test_a_bf16_models_weights_pack_in_pairs_of_k_where_the_build_has_bf16_dot_products(k: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(45, k, generator=gen).to(torch.bfloat16)
+    weight = cpu_int8.Int8Weight.from_float(w)
+    pairs = _bf16_pairs() and k % 2 == 0  # an odd k keeps the plain layout
+    assert weight.pairs == pairs
+    block = weight.block
+    assert weight.packed.shape == ((-(-45 // block), k // 2, block, 2) if pairs else (-(-45 // block), k, block))
+    q, _ = cpu_int8.quantize(w)
+    assert torch.equal(weight.unpacked(), q)
+    assert not cpu_int8.Int8Weight.from_float(w, activations=torch.float32).pairs  # fp32 x reads k-major
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
 def test_product_matches_the_reference_on_random_shapes(dtype: torch.dtype, seed: int) -> None:
@@ -48,7 +67,8 @@ def test_product_matches_the_reference_on_random_shapes(dtype: torch.dtype, seed
         m = int(torch.randint(1, 41, (), generator=gen))  # every tile height, and partial tiles
         n = int(torch.randint(1, 300, (), generator=gen))  # a last block of outputs partly empty
         k = int(torch.randint(1, 600, (), generator=gen))
-        weight = cpu_int8.Int8Weight.from_float(torch.randn(n, k, generator=gen))
+        # bf16 x gets weights packed for it: in pairs of k where the build has bf16 dot products and k is even
+        weight = cpu_int8.Int8Weight.from_float(torch.randn(n, k, generator=gen), activations=dtype)
         x = torch.randn(m, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype) if seed % 2 else None
         got = cpu_int8.linear(x, weight, bias)
@@ -58,6 +78,14 @@ def test_product_matches_the_reference_on_random_shapes(dtype: torch.dtype, seed
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         else:  # the same fp32 sum rounded once: at most one bf16 step apart where the orders differ
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_weights_packed_for_bf16_still_take_fp32_x() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = cpu_int8.Int8Weight.from_float(torch.randn(70, 64, generator=gen), activations=torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(cpu_int8.linear(x, weight), cpu_int8.linear_ref(x, weight.unpacked(), weight.scale),
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_product_takes_leading_dims_strided_input_and_any_thread_count() -> None:
