@@ -103,8 +103,10 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
     """x [..., k] @ (scale * q)^T + bias, in x's dtype (bias in x's dtype too): fp32 sums, each output rounded
     once."""
     lib = _library()
+    # Weights in pairs take bf16 x, and only from a build that has the dot product (the library a process
+    # loads never changes, but a test may load the AVX2 build after packing for the native one).
     if not weight.block or lib is None or x.device.type != "cpu" or x.dtype not in DTYPES \
-            or (weight.pairs and x.dtype != torch.bfloat16):
+            or (weight.pairs and (x.dtype != torch.bfloat16 or not lib.hearth_i8_bf16_pairs())):
         return linear_ref(x, weight.unpacked(), weight.scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.models.layers import Int8Linear, linear
-from kernels import cpu_int8
+from kernels import cpu_build, cpu_int8
 
 pytestmark = [pytest.mark.skipif(not cpu_int8.available(),
                                  reason="the CPU int8 kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -86,6 +86,17 @@ def test_weights_packed_for_bf16_still_take_fp32_x() -> None:
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(cpu_int8.linear(x, weight), cpu_int8.linear_ref(x, weight.unpacked(), weight.scale),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_weights_packed_in_pairs_still_give_the_product_under_a_build_without_dot_products(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(6)
+    weight = cpu_int8.Int8Weight.from_float(torch.randn(70, 64, generator=gen).to(torch.bfloat16))
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setenv("HEARTH_CPU_AVX512", "off")  # the AVX2 build: no bf16 dot products, no pairs kernel
+    cpu_build.load.cache_clear()
+    cpu_int8._library.cache_clear()
+    torch.testing.assert_close(cpu_int8.linear(x, weight), cpu_int8.linear_ref(x, weight.unpacked(), weight.scale))
 
 
 def test_product_takes_leading_dims_strided_input_and_any_thread_count() -> None:
