@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from inference.batch import AttentionBatch, DecodeGroup
 from inference.kv_cache import KVPool
 from inference.models import layers
-from kernels import cpu_fused, cpu_norm
+from kernels import cpu_decode_layer, cpu_fused, cpu_norm
 from kernels import cpu_paged_attention as cpa
 from kernels import kv_compress as kc
 from kernels import paged_attention as pa
@@ -173,6 +173,39 @@ class DecoderLM:
                          and cpu_fused.silu_mul_fits(self.layers[0].gate_up.out_features // 2))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.decode_stack = self._decode_stack()
+
+    def _decode_stack(self) -> cpu_decode_layer.DecodeStack | None:
+        """One C call per layer for decode steps of one or two tokens (kernels/cpu_decode_layer), where every
+        step of the layer already runs one of our CPU kernels: the same results, without Python between them."""
+        if not (self.cpu_fused and self.cpu_attention and self.silu_mul and cpu_decode_layer.available()
+                and self.hidden_size % 8 == 0 and not self.spec.qk_norm and not self.spec.sandwich_norms):
+            return None
+        specs: list[cpu_decode_layer.LayerSpec] = []
+        for layer in self.layers:
+            products = [cpu_decode_layer.matrix(*linear.kernel_weight(), self.dtype)
+                        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in products) or layer.rope.rotary_dim != self.head_dim:
+                return None
+            specs.append(cpu_decode_layer.LayerSpec(*products, layer.input_norm, layer.post_attn_norm,
+                                                    layer.rope.cos, layer.rope.sin, layer.sliding_window))
+        return cpu_decode_layer.DecodeStack(
+            dtype=self.dtype, hidden=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate=self.layers[0].gate_up.out_features // 2, eps=self.eps,
+            norm_offset=self.spec.norm_offset, scale=self.scale, softcap=self.attn_softcap, layers=specs)
+
+    def _decode_step(self, h: torch.Tensor, batch: AttentionBatch,
+                     kv: KVPool) -> cpu_decode_layer.DecodeStep | None:
+        """This step on the one-call layers, or None where it needs the Python forward (prompt chunks, more
+        rows, LoRA, sequences being compressed)."""
+        if (self.decode_stack is None or batch.prefills or batch.lora is not None or len(batch.decode_groups) != 1
+                or h.shape[0] > cpu_decode_layer.MAX_ROWS or kv.k.shape[1] > cpa.MAX_BLOCK):
+            return None
+        group = batch.decode_groups[0]
+        if group.observers is not None:
+            return None
+        return self.decode_stack.start(h, batch.positions, batch.slots, group.block_tables, group.kv_lens,
+                                       kv.k, kv.v, kv.pos)
 
     # ------------------------------------------------------------------ forward
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -198,6 +231,13 @@ class DecoderLM:
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        step = self._decode_step(h, batch, kv)
+        if step is not None:
+            for index in range(self.num_layers):
+                if between_layers is not None:
+                    between_layers()
+                self.decode_stack.layer(step, index)
+            return self._add_norm(step.h, step.x, self.final_norm)[1]
         residual: torch.Tensor | None = None  # the last sublayer's output, added to h with the next norm
         for index, layer in enumerate(self.layers):
             if between_layers is not None:

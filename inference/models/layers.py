@@ -69,6 +69,10 @@ class Linear:
             and _onednn_packs(weight.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
+    def kernel_weight(self) -> tuple[cpu_gemv.GemvWeight | None, torch.Tensor | None]:
+        """What products of one or two rows run on (kernels/cpu_gemv), and the bias."""
+        return self.gemv_weight, self.bias
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
             return cpu_gemv.gemv(x, self.gemv_weight, self.bias)
@@ -91,6 +95,10 @@ class Int8Linear:
         self.weight = dataclasses.replace(quantized, packed=memory.copy(quantized.packed))
         self.bias = bias.contiguous() if bias is not None else None
         self.nbytes = self.weight.nbytes + (bias.numel() * bias.element_size() if bias is not None else 0)
+
+    def kernel_weight(self) -> tuple[cpu_int8.Int8Weight, torch.Tensor | None]:
+        """What products run on (kernels/cpu_int8), and the bias."""
+        return self.weight, self.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_int8.linear(x, self.weight, self.bias)

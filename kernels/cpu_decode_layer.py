@@ -1,0 +1,187 @@
+"""A decoder layer of a one- or two-token decode step as one C call (csrc/decode_layer.c).
+
+The layer's nine kernel calls (norms, products, rotary + KV write, paged attention, SiLU * up) are the ones
+the decoder's Python forward makes, made from C in the same order on the same buffers: the results are the
+Python path's bit for bit, without the few microseconds of ctypes, torch allocation and interpreter work each
+call costs there (about a fifth of a SmolLM2 token once the weights stream at memory speed).
+
+`DecodeStack` holds what stays fixed (the model's shapes, each layer's weights and kernel entry points); each
+step `start`s with its token rows and per-layer block tables, then runs `layer(step, i)` for every layer, so
+the engine can still act between layers. `matrix` says whether a product can run here at all; a model with any
+product that cannot (or a build without the kernels, HEARTH_CPU_KERNELS=off, HEARTH_CPU_DECODE_LAYER=off)
+keeps the Python forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_build, cpu_fused, cpu_gemv, cpu_int8, cpu_norm
+from kernels import cpu_paged_attention as cpa
+
+MAX_ROWS = cpu_gemv.MAX_ROWS  # more rows go to oneDNN's products, which the Python forward calls
+GEMV_F32, GEMV_BF16, I8_F32, I8_BF16, I8_PAIRS = range(5)  # decode_layer.c's product kinds
+_c = ctypes.c_void_p
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("fn", _c), ("kind", ctypes.c_int64), ("packed", _c), ("scale", _c), ("bias", _c),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix), ("down", Matrix), ("input_norm", _c),
+                ("post_norm", _c), ("cos", _c), ("sin", _c), ("window", ctypes.c_int64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(name, _c) for name in ("norm", "rope", "attention", "silu_mul")]
+                + [(name, ctypes.c_int64) for name in ("elem", "hidden", "hq", "hkv", "head_dim", "inter")]
+                + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")]
+                + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64)])
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("rows", "width", "block_size")]
+                + [(name, _c) for name in ("positions", "slots", "tables", "lens", "k_cache", "v_cache", "pos_cache",
+                                           "h", "x", "normed", "qkv", "q", "attn", "gate_up", "act", "widened")]
+                + [("has_x", ctypes.c_int64)])
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("decode_layer")
+    if lib is not None:
+        lib.hearth_decode_layer.argtypes = [_c, _c, _c, ctypes.c_int64]
+        lib.hearth_decode_layer.restype = None
+    return lib
+
+
+def available() -> bool:
+    return (os.environ.get("HEARTH_CPU_DECODE_LAYER", "auto") != "off" and _library() is not None
+            and cpu_gemv._library() is not None and cpu_norm._library() is not None
+            and cpu_fused._library() is not None and cpa.available())
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(fn, _c).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def matrix(weight: cpu_gemv.GemvWeight | cpu_int8.Int8Weight | None, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> Matrix | None:
+    """The product x W^T (+ bias) for x of `dtype` and at most MAX_ROWS rows, as the layer computes it in
+    Python (cpu_gemv.gemv, cpu_int8.linear), or None where that is not one of these kernels' entry points."""
+    if weight is None or bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None
+    n, k = weight.out_features, weight.in_features
+    if isinstance(weight, cpu_gemv.GemvWeight):
+        lib = cpu_gemv._library()
+        # The packed layout must be the one this build reads (pairs of k where it has the bf16 dot product).
+        if lib is None or weight.dtype != dtype or (weight.packed.dim() == 4) != cpu_gemv._pairs(dtype):
+            return None
+        if dtype == torch.float32:
+            return Matrix(_address(lib.hearth_gemv_f32), GEMV_F32, weight.packed.data_ptr(), None, _ptr(bias), n, k)
+        return Matrix(_address(lib.hearth_gemv_bf16), GEMV_BF16, weight.packed.data_ptr(), None, _ptr(bias), n, k)
+    lib = cpu_int8._library()
+    if lib is None or not weight.block or dtype not in cpu_int8.DTYPES:
+        return None
+    args = (weight.packed.data_ptr(), weight.scale.data_ptr(), _ptr(bias), n, k)
+    if dtype == torch.float32:
+        return None if weight.pairs else Matrix(_address(lib.hearth_gemv_i8_f32), I8_F32, *args)
+    if weight.pairs:
+        return Matrix(_address(lib.hearth_gemv_i8_bf16_pairs), I8_PAIRS, *args) if lib.hearth_i8_bf16_pairs() else None
+    return Matrix(_address(lib.hearth_gemv_i8_bf16), I8_BF16, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One layer as the stack runs it: its four products (from `matrix`), its two norms' weights, its rotary
+    tables [max_pos, head_dim] (rotating every channel) and its sliding window."""
+
+    qkv: Matrix
+    o: Matrix
+    gate_up: Matrix
+    down: Matrix
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    window: int | None
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """One step's inputs and buffers. After the last layer, `h` is the residual stream and `x` the last
+    sublayer's output, not yet added to it (the final norm adds it)."""
+
+    struct: _Step
+    h: torch.Tensor
+    x: torch.Tensor
+    held: tuple[torch.Tensor, ...]  # what the struct points into, alive until the step is done
+
+
+class DecodeStack:
+    """The fixed part of a decoder's layers for one-call decode layers (see the module's doc)."""
+
+    def __init__(self, *, dtype: torch.dtype, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, norm_offset: bool, scale: float, softcap: float | None,
+                 layers: list[LayerSpec]) -> None:
+        assert dtype in (torch.float32, torch.bfloat16) and available()
+        fused, norm, attention = cpu_fused._library(), cpu_norm._library(), cpa._library()
+        bf16 = dtype == torch.bfloat16
+        self.dtype = dtype
+        self.model = _Model(
+            _address(norm.hearth_add_rms_norm_bf16 if bf16 else norm.hearth_add_rms_norm_f32),
+            _address(fused.hearth_rope_write_kv_bf16 if bf16 else fused.hearth_rope_write_kv_f32),
+            _address(attention.hearth_paged_decode_bf16 if bf16 else attention.hearth_paged_decode_f32),
+            _address(fused.hearth_silu_mul_bf16 if bf16 else fused.hearth_silu_mul_f32),
+            2 if bf16 else 4, hidden, num_heads, num_kv_heads, head_dim, intermediate,
+            eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads())
+        self.specs = layers  # the tensors the layer structs point into
+        self.layers = [_Layer(s.qkv, s.o, s.gate_up, s.down, s.input_norm.data_ptr(), s.post_norm.data_ptr(),
+                              s.cos.data_ptr(), s.sin.data_ptr(), s.window or 0) for s in layers]
+        self._refs = [ctypes.byref(layer) for layer in self.layers]
+        self._model_ref = ctypes.byref(self.model)
+        self._widest = max(max(s.qkv.k, s.o.k, s.gate_up.k, s.down.k) for s in layers)
+        self._run = _library().hearth_decode_layer
+
+    def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+              lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              pos_cache: torch.Tensor) -> DecodeStep:
+        """h [rows, hidden] (rows <= MAX_ROWS, updated in place); positions [rows]; slots [L, Hkv, rows];
+        tables [L, rows, Hkv, W]; lens [L, rows, Hkv]; the KV pool's caches ([N, block, D] and [N, block])."""
+        m = self.model
+        rows = h.shape[0]
+        assert rows <= MAX_ROWS and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
+        self.model.threads = torch.get_num_threads()
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        tables = tables.to(torch.int64).contiguous()
+        lens = lens.to(torch.int32).contiguous()
+        qkv_width = (m.hq + 2 * m.hkv) * m.head_dim
+        # One allocation for every activation buffer of the step, in elements of the model's dtype.
+        sizes = (m.hidden, m.hidden, qkv_width, m.hq * m.head_dim, m.hq * m.head_dim, 2 * m.inter, m.inter)
+        scratch = torch.empty(rows * sum(sizes), dtype=self.dtype)
+        widened = torch.empty(rows * self._widest, dtype=torch.float32)
+        pointers, offset = [], scratch.data_ptr()
+        for size in sizes:
+            pointers.append(offset)
+            offset += rows * size * m.elem
+        x = scratch[: rows * m.hidden].view(rows, m.hidden)
+        struct = _Step(rows, tables.shape[-1], k_cache.shape[1], positions.data_ptr(), slots.data_ptr(),
+                       tables.data_ptr(), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                       pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0)
+        return DecodeStep(struct, h, x, (positions, slots, tables, lens, scratch, widened, k_cache, v_cache,
+                                         pos_cache))
+
+    def layer(self, step: DecodeStep, index: int) -> None:
+        self._run(self._model_ref, self._refs[index], ctypes.byref(step.struct), index)

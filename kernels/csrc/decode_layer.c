@@ -1,0 +1,113 @@
+/* One decoder layer of a decode step (one or two tokens) as a single call: the sequence of the other kernels'
+ * entry points that the decoder's Python forward would make, without going back to Python between them.
+ *
+ * At one token a layer is nine kernel calls. With the weights streaming at memory speed, what each call costs
+ * around its work (ctypes argument conversion, torch allocations and views, the interpreter) added up to about
+ * a fifth of a SmolLM2 token (docs/benchmarks.md). This file does no arithmetic of its own: it calls the same
+ * kernels (gemv.c, gemv_i8.c, norm.c, fused.c, paged_decode.c, each its own library, reached through function
+ * pointers the Python side takes from them) in the same order on the same buffers, so its results are the
+ * Python path's bit for bit.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* How a matrix's product is computed: which entry point, and so which arguments it takes. */
+enum { GEMV_F32 = 0, GEMV_BF16 = 1, I8_F32 = 2, I8_BF16 = 3, I8_PAIRS = 4 };
+
+typedef void (*gemv_fn)(const void *x, const void *packed, const void *b, void *y, int64_t m, int64_t n, int64_t k,
+                        int64_t threads);
+typedef void (*gemv_widened_fn)(const void *x, const void *packed, const void *b, void *y, int64_t m, int64_t n,
+                                int64_t k, int64_t threads, float *xf);
+typedef void (*i8_fn)(const void *x, const void *packed, const float *scale, const void *b, void *y, int64_t m,
+                      int64_t n, int64_t k, int64_t threads);
+typedef void (*i8_widened_fn)(const void *x, const void *packed, const float *scale, const void *b, void *y,
+                              int64_t m, int64_t n, int64_t k, int64_t threads, float *xf);
+typedef void (*norm_fn)(void *h, const void *x, const void *w, void *out, int64_t rows, int64_t dim, float eps,
+                        int64_t offset, int64_t threads);
+typedef void (*rope_fn)(void *qk, int64_t qk_stride, const void *v, int64_t v_stride, const void *cos_table,
+                        const void *sin_table, const int64_t *positions, const int64_t *slots, void *k_cache,
+                        void *v_cache, int32_t *pos_cache, int64_t tokens, int64_t hq, int64_t hkv, int64_t dim,
+                        int64_t threads);
+typedef void (*attention_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *pos_cache,
+                             const int64_t *tables, const int32_t *kv_lens, const int64_t *q_pos, void *out,
+                             int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim, int64_t block_size,
+                             int64_t width, float scale, int64_t window, float softcap, int64_t threads);
+typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t threads);
+
+typedef struct {
+    void *fn;
+    int64_t kind;
+    const void *packed;
+    const float *scale; /* int8 kinds: one per output */
+    const void *bias;   /* [n] in the activations' dtype, or NULL */
+    int64_t n, k;
+} Matrix;
+
+/* What stays fixed for one layer from step to step. */
+typedef struct {
+    Matrix qkv, o, gate_up, down;
+    const void *input_norm, *post_norm;
+    const void *cos, *sin; /* rotary tables [max_pos, head_dim] */
+    int64_t window;        /* sliding window, 0 for none */
+} Layer;
+
+/* The model's shapes and kernels. */
+typedef struct {
+    void *norm, *rope, *attention, *silu_mul;
+    int64_t elem; /* bytes per activation: 4 (fp32) or 2 (bf16) */
+    int64_t hidden, hq, hkv, head_dim, inter;
+    float eps, scale, softcap; /* softcap 0: none */
+    int64_t norm_offset, threads;
+} Model;
+
+/* One step: `rows` tokens, one per sequence; per-layer inputs stacked with the layer first. */
+typedef struct {
+    int64_t rows, width, block_size;
+    const int64_t *positions; /* [rows] */
+    const int64_t *slots;     /* [L, hkv, rows] */
+    const int64_t *tables;    /* [L, rows, hkv, width] */
+    const int32_t *lens;      /* [L, rows, hkv] */
+    void *k_cache, *v_cache;
+    int32_t *pos_cache;
+    /* buffers: h [rows, hidden] the residual stream (updated in place); x [rows, hidden] the last sublayer's
+     * output, added to h by the next norm (has_x says whether there is one yet); the rest are scratch. */
+    void *h, *x, *normed, *qkv, *q, *attn, *gate_up, *act;
+    float *widened; /* rows * (largest k) floats, for the products that widen bf16 x first */
+    int64_t has_x;
+} Step;
+
+static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y) {
+    const int64_t m = S->rows;
+    switch (W->kind) {
+    case GEMV_F32: ((gemv_fn)W->fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads); break;
+    case GEMV_BF16: ((gemv_widened_fn)W->fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads, S->widened); break;
+    case I8_F32:
+    case I8_PAIRS: ((i8_fn)W->fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads); break;
+    case I8_BF16:
+        ((i8_widened_fn)W->fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads, S->widened);
+        break;
+    }
+}
+
+/* Layer `index` of the decoder (pre-norm attention and SiLU-gated MLP, as DecoderLM.forward runs it). */
+void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index) {
+    const int64_t m = S->rows, e = M->elem, d = M->head_dim, hq = M->hq, hkv = M->hkv;
+    const int64_t qkv_row = (hq + 2 * hkv) * d, q_row = hq * d;
+    norm_fn norm = (norm_fn)M->norm;
+
+    norm(S->h, S->has_x ? S->x : NULL, L->input_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
+    product(M, S, &L->qkv, S->normed, S->qkv);
+    ((rope_fn)M->rope)(S->qkv, qkv_row, (char *)S->qkv + (hq + hkv) * d * e, qkv_row, L->cos, L->sin, S->positions,
+                       S->slots + index * hkv * m, S->k_cache, S->v_cache, S->pos_cache, m, hq, hkv, d, M->threads);
+    for (int64_t r = 0; r < m; r++) /* the queries of each row, contiguous as the attention kernel reads them */
+        memcpy((char *)S->q + r * q_row * e, (const char *)S->qkv + r * qkv_row * e, q_row * e);
+    ((attention_fn)M->attention)(S->q, S->k_cache, S->v_cache, S->pos_cache, S->tables + index * m * hkv * S->width,
+                                 S->lens + index * m * hkv, S->positions, S->attn, m, hq, hkv, d, S->block_size,
+                                 S->width, M->scale, L->window, M->softcap, M->threads);
+    product(M, S, &L->o, S->attn, S->x);
+    norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
+    product(M, S, &L->gate_up, S->normed, S->gate_up);
+    ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
+    product(M, S, &L->down, S->act, S->x);
+    S->has_x = 1;
+}

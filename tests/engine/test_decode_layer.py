@@ -1,0 +1,81 @@
+"""One C call per decoder layer for decode steps of one or two tokens (kernels/cpu_decode_layer): the engine's
+outputs with it against the Python forward it replaces, on fresh random tiny models, for fp32 and bf16, plain
+and int8 weights, on both CPU builds (the AVX2 one widens bf16 activations in a buffer the call passes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference import EngineConfig, SamplingParams
+from inference.llm import LLM
+from kernels import cpu_decode_layer
+from tests.cpu_builds import isa
+from tests.engine.conftest import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="the CPU kernels cannot be built here")
+__all__ = ["isa"]  # the fixture, imported: both CPU builds
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    # Fresh weights for this module (a seed of its own): GQA on both, q/k/v biases on qwen2.
+    return {arch: build_tiny_model(arch, tmp_path_factory.mktemp(f"decode-layer-{arch}"), seed=7)
+            for arch in ("llama", "qwen2")}
+
+
+PROMPTS = ["The quick brown fox jumps over", "Once upon a time in a small village by the sea, there lived"]
+
+
+def _outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
+    return [(out.token_ids, [lp.logprob for lp in out.all_logprobs]) for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_call_layers_give_the_python_forward_results(isa: str, tiny_models: dict[str, Path], arch: str,
+                                                          dtype: str, quantization: str) -> None:
+    # No prefix caching: the second run's prompts would start from the first run's cached blocks.
+    llm = LLM(tiny_models[arch], EngineConfig(dtype=dtype, quantization=quantization, kv_cache_memory="16MiB",
+                                              block_size=8, enable_prefix_caching=False))
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert stack is not None, "every product of these models runs on the CPU kernels"
+    calls: list[int] = []
+    run_layer = stack.layer
+    stack.layer = lambda step, index: (calls.append(step.struct.rows), run_layer(step, index))[1]
+    # One sequence (one row a step), then two at once (two rows a step).
+    fused = [_outputs(llm, PROMPTS[:1]), _outputs(llm, PROMPTS)]
+    assert calls.count(1) >= 23 * model.num_layers and calls.count(2) >= 23 * model.num_layers
+
+    model.decode_stack = None
+    python = [_outputs(llm, PROMPTS[:1]), _outputs(llm, PROMPTS)]
+    # Bit for bit: the same kernels on the same buffers in the same order.
+    assert fused == python
+
+
+def test_three_rows_and_prompt_chunks_keep_the_python_forward(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(tiny_models["llama"], EngineConfig(dtype="float32", kv_cache_memory="16MiB", block_size=8))
+    model = llm.engine.runner.model
+    rows: list[int] = []
+    run_layer = model.decode_stack.layer
+    model.decode_stack.layer = lambda step, index: (rows.append(step.struct.rows), run_layer(step, index))[1]
+    outputs = _outputs(llm, PROMPTS + ["A third prompt, so that three sequences decode together"])
+    assert all(len(tokens) == 24 for tokens, _ in outputs)
+    assert rows == [], "three rows a step, and the prompt passes, go through the Python forward"
+
+
+def test_models_outside_its_shape_keep_the_python_forward(tmp_path: Path) -> None:
+    # Gemma's extra norms around each sublayer are not part of the one-call layer.
+    llm = LLM(build_tiny_model("gemma3_text", tmp_path / "gemma"), EngineConfig(dtype="float32",
+                                                                                kv_cache_memory="16MiB"))
+    assert llm.engine.runner.model.decode_stack is None
+
+
+def test_switch_off_keeps_the_python_forward(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEARTH_CPU_DECODE_LAYER", "off")
+    llm = LLM(tiny_models["llama"], EngineConfig(dtype="float32", kv_cache_memory="16MiB"))
+    assert llm.engine.runner.model.decode_stack is None
