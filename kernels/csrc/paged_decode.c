@@ -9,6 +9,8 @@
  *    transpose-add for eight scores instead of a horizontal sum per score);
  *  - values: register tiles of up to three query heads x 32 channels, so each value row loaded serves every
  *    query head of the group while twelve accumulators stay in registers.
+ * The next block of the table is prefetched while one block computes; on AVX-512 each key row is loaded once
+ * for up to three query heads' scores.
  * Masking is by stored position, as in kernels/paged_attention.py: entries past kv_len, after the query's
  * position, or outside a sliding window are skipped, so compressed heads (entries dropped) are served too.
  */
@@ -182,29 +184,73 @@ static inline __m256 fold16(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+/* Scores of up to three query heads of the group at once (gc, a constant after inlining): each key row is
+ * loaded and widened once for all of them, and each score is still one chain over d in order, as before. */
 static inline __attribute__((always_inline)) void block_scores16(const float *qg, const void *kb, const int64_t *keep,
-                                                                 int64_t kept, int64_t head_dim, float *s,
+                                                                 int64_t kept, int64_t head_dim, float *s, int gc,
                                                                  int64_t elem) {
     int64_t j = 0;
     for (; j + 8 <= kept; j += 8) {
-        __m512 a[8];
-        for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+        __m512 a[TILE_GROUPS][8];
+        for (int g = 0; g < gc; g++)
+            for (int i = 0; i < 8; i++) a[g][i] = _mm512_setzero_ps();
+        int64_t rows[8];
+        for (int i = 0; i < 8; i++) rows[i] = keep[j + i] * head_dim;
         for (int64_t d = 0; d < head_dim; d += 16) {
-            __m512 q = _mm512_loadu_ps(qg + d);
-            for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(load16(kb, keep[j + i] * head_dim + d, elem), q, a[i]);
+            __m512 q[TILE_GROUPS];
+            for (int g = 0; g < gc; g++) q[g] = _mm512_loadu_ps(qg + g * head_dim + d);
+            for (int i = 0; i < 8; i++) {
+                const __m512 k = load16(kb, rows[i] + d, elem);
+                for (int g = 0; g < gc; g++) a[g][i] = _mm512_fmadd_ps(k, q[g], a[g][i]);
+            }
         }
-        __m256 h[8];
-        for (int i = 0; i < 8; i++) h[i] = fold16(a[i]);
-        _mm256_storeu_ps(s + j, hsum8(h));
+        for (int g = 0; g < gc; g++) {
+            __m256 h[8];
+            for (int i = 0; i < 8; i++) h[i] = fold16(a[g][i]);
+            _mm256_storeu_ps(s + g * MAX_BLOCK + j, hsum8(h));
+        }
     }
     for (; j < kept; j++) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d += 16)
-            a = _mm512_fmadd_ps(load16(kb, keep[j] * head_dim + d, elem), _mm512_loadu_ps(qg + d), a);
-        s[j] = _mm512_reduce_add_ps(a);
+        for (int g = 0; g < gc; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16)
+                a = _mm512_fmadd_ps(load16(kb, keep[j] * head_dim + d, elem), _mm512_loadu_ps(qg + g * head_dim + d),
+                                    a);
+            s[g * MAX_BLOCK + j] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
+/* Every query head's scores of one block, in tiles of up to three heads: scores[g * MAX_BLOCK + j]. */
+static inline __attribute__((always_inline)) void scores16(const float *qf, const void *kb, const int64_t *keep,
+                                                           int64_t kept, int64_t head_dim, int64_t groups,
+                                                           float *scores, int64_t elem) {
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+        const float *qg = qf + g0 * head_dim;
+        float *s = scores + g0 * MAX_BLOCK;
+        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+        if (gc == 3) block_scores16(qg, kb, keep, kept, head_dim, s, 3, elem);
+        else if (gc == 2) block_scores16(qg, kb, keep, kept, head_dim, s, 2, elem);
+        else block_scores16(qg, kb, keep, kept, head_dim, s, 1, elem);
     }
 }
 #endif
+
+/* The next block's entries are requested into L2 while this block computes: blocks lie scattered over the
+ * pool, so the hardware prefetchers cannot see the next one coming, and without this each block starts with
+ * a wait on memory (three of them: positions, keys, then values). L2 rather than L1: a block is 64 lines of
+ * fp32 K and V, more than the L1 can keep in flight beside the demand loads (measured in docs/benchmarks.md).
+ * Always inlined: GCC finds a function that only prefetches free of effects and deletes calls to it. */
+static inline __attribute__((always_inline)) void prefetch_block(int64_t blk, const void *k_cache,
+                                                                  const void *v_cache, const int32_t *pos_cache,
+                                                                  int64_t block_size, int64_t block_bytes) {
+    const char *k = (const char *)k_cache + blk * block_bytes, *v = (const char *)v_cache + blk * block_bytes;
+    _mm_prefetch((const char *)(pos_cache + blk * block_size), _MM_HINT_T1);
+    for (int64_t o = 0; o < block_bytes; o += 64) {
+        _mm_prefetch(k + o, _MM_HINT_T1);
+        _mm_prefetch(v + o, _MM_HINT_T1);
+    }
+}
 
 typedef float (*load1_fn)(const void *, int64_t);
 typedef void (*store1_fn)(void *, int64_t, float);
@@ -239,14 +285,17 @@ static inline __attribute__((always_inline)) void decode_pair(
             keep[kept++] = j;
         }
         if (kept == 0) continue;
-        const char *kb = (const char *)k_cache + blk * block_size * head_dim * elem;
-        const char *vb = (const char *)v_cache + blk * block_size * head_dim * elem;
+        const int64_t block_bytes = block_size * head_dim * elem;
+        const char *kb = (const char *)k_cache + blk * block_bytes;
+        const char *vb = (const char *)v_cache + blk * block_bytes;
+        if (start + block_size < len) prefetch_block(table[start / block_size + 1], k_cache, v_cache, pos_cache,
+                                                     block_size, block_bytes);
+#ifdef __AVX512F__
+        if (wide) scores16(qf, kb, keep, kept, head_dim, groups, scores, elem);
+#endif
         for (int64_t g = 0; g < groups; g++) {
             float *s = scores + g * MAX_BLOCK;
-#ifdef __AVX512F__
-            if (wide) block_scores16(qf + g * head_dim, kb, keep, kept, head_dim, s, elem); else
-#endif
-            block_scores(qf + g * head_dim, kb, keep, kept, head_dim, s, load8);
+            if (!wide) block_scores(qf + g * head_dim, kb, keep, kept, head_dim, s, load8);
             float m = run_max[g];
             for (int64_t j = 0; j < kept; j++) {
                 if (softcap > 0.f) s[j] = tanhf(s[j] / softcap) * softcap;
