@@ -99,24 +99,48 @@ static inline __m256 silu8(__m256 g) {
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
+#ifdef __AVX512F__
+static inline __m512 silu16(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+#endif
+
+/* Rows at which both threads share the work: below it, waking the second thread costs more than it saves. */
+#define SILU_PARALLEL_FROM 16384
+
 /* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first); I % 8 == 0. bf16: the activation is rounded
- * before the product, as torch's two ops round. */
+ * before the product, as torch's two ops round. Sixteen lanes at a time where the build has AVX-512 (the same
+ * arithmetic per lane as the eight-lane loop, which takes what is left). */
 void hearth_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(rows * inter >= 65536 && threads > 0 ? threads : 1)
+#pragma omp parallel for schedule(static) num_threads(rows * inter >= SILU_PARALLEL_FROM && threads > 0 ? threads : 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i += 8)
-            _mm256_storeu_ps(out + r * inter + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        float *o = out + r * inter;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= inter; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#endif
+        for (; i < inter; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
     }
 }
 
 void hearth_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(rows * inter >= 65536 && threads > 0 ? threads : 1)
+#pragma omp parallel for schedule(static) num_threads(rows * inter >= SILU_PARALLEL_FROM && threads > 0 ? threads : 1)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i += 8) {
+        uint16_t *o = out + r * inter;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= inter; i += 16) {
+            __m512 act = round16_bf16(silu16(widen16_bf16(g + i)));
+            _mm256_storeu_si256((__m256i *)(o + i), narrow16_bf16(_mm512_mul_ps(act, widen16_bf16(u + i))));
+        }
+#endif
+        for (; i < inter; i += 8) {
             __m256 act = round8_bf16(silu8(widen8_bf16(g + i)));
-            _mm_storeu_si128((__m128i *)(out + r * inter + i), narrow8_bf16(_mm256_mul_ps(act, widen8_bf16(u + i))));
+            _mm_storeu_si128((__m128i *)(o + i), narrow8_bf16(_mm256_mul_ps(act, widen8_bf16(u + i))));
         }
     }
 }

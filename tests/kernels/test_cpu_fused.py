@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_fused
+from tests.cpu_builds import forget_libraries
 
 pytestmark = [pytest.mark.skipif(not cpu_fused.supports(torch.zeros(1)),
                                  reason="the fused CPU kernels need a C compiler and a CPU with AVX2 and FMA"),
@@ -76,3 +77,19 @@ def test_silu_mul_matches_the_reference(dtype: torch.dtype, rows: int) -> None:
     else:  # exp a few ulp apart in fp32 can move a bf16 rounding by one step, rarely
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-5)
         assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_gives_the_same_bits_on_both_builds(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sixteen-lane loop (AVX-512 builds) does the eight-lane loop's arithmetic lane by lane: the same bits,
+    including the eight-lane tail (1544 = 96 x 16 + 8), large magnitudes, infinities and NaN."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(37, 2 * 1544, generator=gen) * 30).to(dtype)  # 37 x 1544: the threaded loop
+    gate_up[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0, 100.0]).to(dtype)
+    outs = []
+    for build in ("auto", "off"):
+        monkeypatch.setenv("HEARTH_CPU_AVX512", build)
+        forget_libraries()
+        outs.append(cpu_fused.silu_mul(gate_up))
+    assert torch.equal(outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       outs[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
