@@ -238,8 +238,9 @@ static inline __attribute__((always_inline)) void scores16(const float *qf, cons
 
 /* The next block's entries are requested into L2 while this block computes: blocks lie scattered over the
  * pool, so the hardware prefetchers cannot see the next one coming, and without this each block starts with
- * a wait on memory (three of them: positions, keys, then values). L2 rather than L1: a block is 64 lines of
- * fp32 K and V, more than the L1 can keep in flight beside the demand loads (measured in docs/benchmarks.md).
+ * a wait on memory (three of them: positions, keys, then values). L2 rather than L1: at head_dim 64 a block's
+ * keys and values are 64 (bf16) or 128 (fp32) lines, more than the L1 can keep in flight beside the demand loads
+ * (measured in docs/benchmarks.md).
  * Always inlined: GCC finds a function that only prefetches free of effects and deletes calls to it. */
 static inline __attribute__((always_inline)) void prefetch_block(int64_t blk, const void *k_cache,
                                                                   const void *v_cache, const int32_t *pos_cache,
