@@ -63,26 +63,29 @@ def test_kernel_matches_the_reference(seed: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_bf16_pools_match_the_fp32_reference_within_bf16_rounding(seed: int) -> None:
-    """bf16 entries are widened and all arithmetic is fp32: the result is the fp32 reference over the same
-    (bf16-valued) inputs, rounded once to bf16."""
+    """bf16 entries are widened (or multiplied in exact pairs) and all sums are fp32: the result is the fp32
+    reference over the same (bf16-valued) inputs, rounded once to bf16. head_dim 32, 64, 96, 128, 256 take the
+    32-entries-a-load path on AVX-512 builds, 40 the eight-lane one; every block size, window and softcap."""
     gen = torch.Generator().manual_seed(100 + seed)
     kv_heads = 1 + seed % 3
-    q_heads = kv_heads * (1, 3, 7, 4)[seed]
-    head_dim = (64, 40, 128, 256)[seed]
-    q, k, v, pos, tables, lens, q_pos = _case(gen, 3, q_heads, kv_heads, head_dim, 16, seed % 2 == 1)
+    q_heads = kv_heads * (1, 3, 7, 4, 2, 5, 3, 8)[seed]
+    head_dim = (64, 40, 128, 256, 64, 32, 96, 64)[seed]
+    block_size = (16, 4, 32, 64, 16, 8, 16, 1)[seed]
+    q, k, v, pos, tables, lens, q_pos = _case(gen, 3, q_heads, kv_heads, head_dim, block_size, seed % 2 == 1)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     scale = head_dim ** -0.5
-    window = 9 if seed == 2 else None
+    window = 9 if seed in (2, 5) else None
+    softcap = 30.0 if seed in (4, 7) else None
     mask = pa.decode_mask(pos, tables, lens, q_pos, window)
-    want = pa.paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, mask, scale, None)
+    want = pa.paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, mask, scale, softcap)
     assert cpa.supports(q, k, kv_heads)
-    got = cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window)
+    got = cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window, softcap)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
     # and as close to it as the bf16 reference gets, or closer
-    ref16 = pa.paged_decode_attention_ref(q, k, v, tables, mask, scale, None).float()
+    ref16 = pa.paged_decode_attention_ref(q, k, v, tables, mask, scale, softcap).float()
     assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
 
 
