@@ -1,10 +1,12 @@
-"""Decode attention over the paged KV pool on CPU in fp32 or bf16, reading blocks in place (csrc/paged_decode.c).
+"""Attention on CPU in fp32 or bf16: decode over the paged KV pool, reading blocks in place (csrc/paged_decode.c),
+and causal attention of a fresh prompt (csrc/causal_attention.c).
 
-The same contract as `triton_paged_attention.paged_decode_attention`, and the same reference:
-`paged_attention.paged_decode_attention_ref` with `decode_mask`. Built by kernels/cpu_build; `supports` says
-whether a call can take this path (fp32 or bf16 on CPU, head_dim a multiple of 8, the kernel's stack bounds).
-bf16 pools are widened to fp32 as they are read and the output rounded once at the end, so bf16 results are
-at least as close to an fp32 computation as the reference's.
+Decode has the same contract as `triton_paged_attention.paged_decode_attention`, and the same reference:
+`paged_attention.paged_decode_attention_ref` with `decode_mask`; the prompt kernel stands in for
+`paged_attention.causal_attention_ref` without a sliding window or softcap. Built by kernels/cpu_build;
+`supports` and `supports_causal` say whether a call can take these paths (fp32 or bf16 on CPU, head_dim a
+multiple of the vector width, the kernels' stack bounds). All sums are fp32 and bf16 outputs are rounded once at
+the end, so bf16 results are at least as close to an fp32 computation as the references'.
 """
 
 from __future__ import annotations
@@ -64,4 +66,50 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos_cache.data_ptr(), tables.data_ptr(),
            lens.data_ptr(), positions.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
            k_cache.shape[1], width, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _causal_library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("causal_attention")
+    if lib is not None:
+        lib.hearth_causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
+                                                + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])
+        lib.hearth_causal_attention.restype = None
+        lib.hearth_causal_attention_tile.argtypes, lib.hearth_causal_attention_tile.restype = [], ctypes.c_int64
+    return lib
+
+
+MAX_CAUSAL_DIM = 512  # head_dim the prompt kernel's stack buffers hold
+
+
+def supports_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `causal_attention` takes q [T, Hq, D], k and v [T, Hkv, D]."""
+    if not (available() and q.device.type == "cpu" and q.dtype in DTYPES and q.dtype == k.dtype == v.dtype):
+        return False
+    lib = _causal_library()
+    head_dim = q.shape[-1]
+    return (lib is not None and head_dim % (lib.hearth_causal_attention_tile() // 4) == 0
+            and head_dim <= MAX_CAUSAL_DIM and q.shape[1] % k.shape[1] == 0)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with heads packed in each row (any row stride): views of the fused qkv product pass as they are."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A fresh prompt's causal self-attention: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D] in q's dtype."""
+    lib = _causal_library()
+    assert lib is not None
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    tile = lib.hearth_causal_attention_tile()
+    padded = -(-tokens // tile) * tile
+    scratch = torch.empty(tokens * q_heads * head_dim + 2 * kv_heads * head_dim * padded, dtype=torch.float32)
+    out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype)
+    lib.hearth_causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.stride(0), k.stride(0),
+                                v.stride(0), tokens, q_heads, kv_heads, head_dim, scale,
+                                int(q.dtype == torch.bfloat16), scratch.data_ptr(), torch.get_num_threads())
     return out

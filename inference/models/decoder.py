@@ -118,12 +118,17 @@ class DecoderLM:
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.triton = triton_kernels(device)
-        # On CPU in fp32, decode attention reads the paged blocks in place (kernels/cpu_paged_attention) unless
+        # On CPU (fp32 or bf16), decode attention reads the paged blocks in place (kernels/cpu_paged_attention) unless
         # HEARTH_ATTENTION=torch asks for the references.
         self.cpu_attention = (self.triton is None and os.environ.get("HEARTH_ATTENTION", "auto") != "torch"
                               and cpa.supports(torch.empty(1, self.num_heads, self.head_dim, dtype=dtype, device=device),
                                                torch.empty(1, 1, self.head_dim, dtype=dtype, device=device),
                                                self.num_kv_heads))
+        # ... and a fresh prompt's causal attention (no window, no softcap) is one C call instead of SDPA.
+        prompt_kv = torch.empty(1, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+        self.cpu_causal = (self.triton is None and os.environ.get("HEARTH_ATTENTION", "auto") != "torch"
+                           and cpa.supports_causal(torch.empty(1, self.num_heads, self.head_dim, dtype=dtype,
+                                                               device=device), prompt_kv, prompt_kv))
         # Rotary + KV write and SiLU * up as one C call each on CPU (kernels/cpu_fused): the same results.
         self.cpu_fused = self.triton is None and cpu_fused.supports(torch.empty(0, dtype=dtype, device=device))
 
@@ -347,7 +352,9 @@ class DecoderLM:
                 seg.observer.add(index, kc.prefill_received_attention_ref(
                     q[o:e], kv.k, kv.pos, seg.block_table[index], seg.kv_lens[index], batch.positions[o:e],
                     self.scale, window, softcap))
-            if seg.fresh:
+            if seg.fresh and self.cpu_causal and window is None and softcap is None:
+                out[s:e] = cpa.causal_attention(q[s:e], k[s:e], v[s:e], self.scale)
+            elif seg.fresh:
                 out[s:e] = pa.causal_attention_ref(q[s:e], k[s:e], v[s:e], batch.positions[s:e],
                                                    self.scale, window, softcap)
             else:

@@ -1,0 +1,65 @@
+"""The CPU causal-attention kernel for fresh prompts against the torch reference, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_paged_attention as cpa
+from kernels import paged_attention as pa
+
+pytestmark = [pytest.mark.skipif(not cpa.available(),
+                                 reason="the CPU attention kernels need a C compiler and a CPU with AVX2 and FMA"),
+              pytest.mark.usefixtures("isa")]  # native and AVX2 builds: tests/kernels/conftest.py
+
+
+def _qkv(gen: torch.Generator, tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> tuple:
+    """q, k and v as the decoder has them: views into one fused [T, (Hq + 2 Hkv) * D] product."""
+    fused = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    heads = fused.view(tokens, q_heads + 2 * kv_heads, head_dim)
+    return heads[:, :q_heads], heads[:, q_heads: q_heads + kv_heads], heads[:, q_heads + kv_heads:]
+
+
+# tokens: 1, inside one key tile, tile edges (16, 32, 64 keys per tile by build) and several tiles
+@pytest.mark.parametrize("seed", range(10))
+def test_kernel_matches_the_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = (1, 5, 16, 17, 33, 64, 65, 130, 200, 31)[seed]
+    kv_heads = int(torch.randint(1, 4, (), generator=gen))
+    q_heads = kv_heads * int(torch.randint(1, 8, (), generator=gen))
+    head_dim = (16, 32, 64, 48, 128, 64, 80, 64, 16, 256)[seed]
+    q, k, v = _qkv(gen, tokens, q_heads, kv_heads, head_dim)
+    assert cpa.supports_causal(q, k, v)
+    scale = head_dim ** -0.5
+    want = pa.causal_attention_ref(q, k, v, torch.arange(tokens), scale)
+    got = cpa.causal_attention(q, k, v, scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_matches_the_fp32_reference_within_bf16_rounding(seed: int) -> None:
+    """bf16 inputs are widened and all arithmetic is fp32: as close to the fp32 reference over the same
+    (bf16-valued) inputs as the bf16 reference gets, or closer."""
+    gen = torch.Generator().manual_seed(50 + seed)
+    tokens, q_heads, kv_heads, head_dim = ((165, 9, 3, 64), (40, 14, 2, 64), (97, 8, 8, 128), (3, 4, 1, 32))[seed]
+    q, k, v = (x.bfloat16() for x in _qkv(gen, tokens, q_heads, kv_heads, head_dim))
+    scale = head_dim ** -0.5
+    positions = torch.arange(tokens)
+    want = pa.causal_attention_ref(q.float(), k.float(), v.float(), positions, scale)
+    assert cpa.supports_causal(q, k, v)
+    got = cpa.causal_attention(q, k, v, scale)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
+    ref16 = pa.causal_attention_ref(q, k, v, positions, scale).float()
+    assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
+
+
+def test_what_the_kernel_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kv = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16)
+    assert cpa.supports_causal(q, kv, kv)
+    assert not cpa.supports_causal(q.half(), kv.half(), kv.half())
+    assert not cpa.supports_causal(q.bfloat16(), kv, kv)
+    assert not cpa.supports_causal(torch.zeros(4, 2, 12), torch.zeros(4, 1, 12), torch.zeros(4, 1, 12))
+    assert not cpa.supports_causal(torch.zeros(4, 3, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16))
+    monkeypatch.setenv("HEARTH_CPU_ATTENTION", "off")
+    assert not cpa.supports_causal(q, kv, kv)
