@@ -72,9 +72,9 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = SOURCES / f"{name}.c"
-    # Keyed by the source, the shared header and the flags: a change to any of them builds anew.
-    digest = hashlib.sha256(source.read_bytes() + (SOURCES / "simd.h").read_bytes()
-                            + " ".join(flags()).encode()).hexdigest()[:16]
+    # Keyed by the source, the headers and the flags: a change to any of them builds anew.
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags()).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     try:
         if not target.exists():

@@ -1,0 +1,382 @@
+/* The pieces of kernels/csrc/paged_decode.c that work on one chunk of a (sequence, kv head) pair: the register
+ * tiles for scores and values in each build's widths (eight lanes; sixteen on AVX-512; bf16 rows 32 entries a
+ * load), and the prefetcher the value tiles move on. Included by paged_decode.c only; kept apart so that file
+ * reads as the algorithm (chunk, score, softmax, accumulate) and this one as the arithmetic.
+ */
+#ifndef HEARTH_PAGED_DECODE_TILES_H
+#define HEARTH_PAGED_DECODE_TILES_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define CHUNK 64 /* visible entries scored together (>= the largest block, 64: a chunk holds at least one block) */
+#define TILE_GROUPS 3
+#define TILE_VECS 4
+
+/* Where channel d of a head sits in its accumulators in PAIRS mode (below): each 32 channels as 16 even, then 16
+ * odd ones. */
+static inline int64_t acc_index(int64_t d) { return (d & ~(int64_t)31) + ((d & 1) << 4) + ((d & 31) >> 1); }
+
+/* Lane i of the result is the sum of v[i]'s eight lanes. */
+static inline __m256 hsum8(const __m256 *v) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* each holds the low-half sums in its low 128 bits and the high-half sums in its high 128 bits */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+static inline __m256 load8_f32(const void *p, int64_t i) { return _mm256_loadu_ps((const float *)p + i); }
+
+static inline __m256 load8_bf16(const void *p, int64_t i) {
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float load1_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
+
+static inline float load1_bf16(const void *p, int64_t i) {
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void store1_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
+
+/* fp32 -> bf16, round to nearest even (as torch's .to(bfloat16)); NaN stays NaN. */
+static inline void store1_bf16(void *p, int64_t i, float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
+                                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Software prefetch that keeps pace with the arithmetic. Blocks lie scattered over the pool, so the hardware
+ * prefetchers cannot see the next one coming; requesting whole blocks ahead in bursts (the previous design) stalled
+ * the core once its few outstanding-miss slots were full, so memory and arithmetic took turns. Instead a cursor
+ * walks this thread's future entries (the rest of its pair's blocks, then its next pair's: pairs are dealt round
+ * robin) a fixed lead ahead, and each entry the value loop consumes moves it on by one entry's key and value
+ * bytes: a steady trickle of requests, each issued while the arithmetic runs. Into L2: the L1 is kept for the
+ * demand loads. */
+typedef struct {
+    const char *k, *v;
+    const int32_t *pos;
+    const int64_t *tables;
+    const int32_t *kv_lens;
+    int64_t width, block_size, row_bytes, pairs, stride;
+    int64_t pair, blk, blocks, off, debt; /* where the next request goes; bytes owed */
+} prefetcher;
+
+/* Always inlined: GCC finds a function that only prefetches free of effects and deletes calls to it. */
+static inline __attribute__((always_inline)) void pf_advance(prefetcher *p, int64_t entries) {
+    p->debt += entries * p->row_bytes;
+    const int64_t block_bytes = p->block_size * p->row_bytes;
+    while (p->debt >= 64) {
+        if (p->blk >= p->blocks) { /* this pair's blocks are all requested: on to the thread's next pair */
+            p->pair += p->stride;
+            if (p->pair >= p->pairs) { p->debt = 0; return; }
+            p->blk = p->off = 0;
+            p->blocks = (p->kv_lens[p->pair] + p->block_size - 1) / p->block_size;
+            continue;
+        }
+        const int64_t at = p->tables[p->pair * p->width + p->blk] * block_bytes + p->off;
+        if (p->off == 0) _mm_prefetch((const char *)(p->pos + at / p->row_bytes), _MM_HINT_T1);
+        _mm_prefetch(p->k + at, _MM_HINT_T1);
+        _mm_prefetch(p->v + at, _MM_HINT_T1);
+        p->debt -= 64;
+        p->off += 64;
+        if (p->off >= block_bytes) { p->off = 0; p->blk++; }
+    }
+}
+
+typedef __m256 (*load8_fn)(const void *, int64_t);
+
+/* The value tiles' prefetcher: the first tile of a chunk moves it on, the others pass none. */
+#define FIRST_TILE_PF (g0 == 0 && d0 == 0 ? pf : (prefetcher *)0)
+
+/* acc[g][d0 : d0 + 8 * nv] for the `gc` query heads from g0 = shrink * acc + sum_j s[g][j] * v[rows[j]].
+ * Always inlined with constant gc and nv, so the tile lives in registers. */
+static inline __attribute__((always_inline)) void value_tile(float *acc, const float *scores, const float *shrink,
+                                                              const void *vb, const int64_t *rows, int64_t kept,
+                                                              prefetcher *pf,
+                                                              int64_t head_dim, int64_t g0, int64_t d0, int gc,
+                                                              int nv, load8_fn load8) {
+    __m256 o[TILE_GROUPS][TILE_VECS];
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < nv; c++)
+            o[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + (g0 + g) * head_dim + d0 + 8 * c),
+                                    _mm256_set1_ps(shrink[g0 + g]));
+    for (int64_t j = 0; j < kept; j++) {
+        if (pf) pf_advance(pf, 1);
+        const int64_t row = rows[j] + d0;
+        __m256 w[TILE_GROUPS];
+        for (int g = 0; g < gc; g++) w[g] = _mm256_set1_ps(scores[(g0 + g) * CHUNK + j]);
+        for (int c = 0; c < nv; c++) {
+            __m256 v = load8(vb, row + 8 * c);
+            for (int g = 0; g < gc; g++) o[g][c] = _mm256_fmadd_ps(w[g], v, o[g][c]);
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < nv; c++) _mm256_storeu_ps(acc + (g0 + g) * head_dim + d0 + 8 * c, o[g][c]);
+}
+
+#define VALUE_TILE(D0, GC, NV) \
+    value_tile(acc, scores, shrink, vb, rows, kept, FIRST_TILE_PF, head_dim, g0, D0, GC, NV, load8)
+
+static inline __attribute__((always_inline)) void values(float *acc, const float *scores, const float *shrink,
+                                                         const void *vb, const int64_t *rows, int64_t kept,
+                                                         prefetcher *pf,
+                                                         int64_t head_dim, int64_t groups, load8_fn load8) {
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+        int64_t d0 = 0;
+        for (; d0 + 8 * TILE_VECS <= head_dim; d0 += 8 * TILE_VECS) {
+            if (gc == 3) VALUE_TILE(d0, 3, 4); else if (gc == 2) VALUE_TILE(d0, 2, 4); else VALUE_TILE(d0, 1, 4);
+        }
+        for (; d0 < head_dim; d0 += 8) { /* head_dim % 32 channels left, eight at a time */
+            if (gc == 3) VALUE_TILE(d0, 3, 1); else if (gc == 2) VALUE_TILE(d0, 2, 1); else VALUE_TILE(d0, 1, 1);
+        }
+    }
+}
+
+/* Scores of the `kept` entries of one block for one query head (q already scaled, fp32). */
+static inline __attribute__((always_inline)) void block_scores(const float *qg, const void *kb, const int64_t *rows,
+                                                               int64_t kept, int64_t head_dim, float *s,
+                                                               load8_fn load8) {
+    int64_t j = 0;
+    for (; j + 8 <= kept; j += 8) {
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            __m256 q = _mm256_loadu_ps(qg + d);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(load8(kb, rows[j + i] + d), q, a[i]);
+        }
+        _mm256_storeu_ps(s + j, hsum8(a));
+    }
+    for (; j < kept; j++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(load8(kb, rows[j] + d),
+                                                                       _mm256_loadu_ps(qg + d), a);
+        s[j] = hsum(a);
+    }
+}
+
+#ifdef __AVX512F__
+/* The same two loops sixteen lanes wide where the CPU has AVX-512 (and head_dim % 16 == 0): half the
+ * instructions per key, which matters because the loops, not memory, set the pace once blocks are in cache. */
+static inline __m512 load16_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
+
+static inline __m512 load16_bf16(const void *p, int64_t i) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, int64_t elem) {
+    return elem == 4 ? load16_f32(p, i) : load16_bf16(p, i);
+}
+
+static inline __attribute__((always_inline)) void value_tile16(float *acc, const float *scores,
+                                                                const float *shrink, const void *vb,
+                                                                const int64_t *rows, int64_t kept,
+                                                                prefetcher *pf, int64_t head_dim,
+                                                                int64_t g0, int64_t d0, int gc, int nv, int64_t elem) {
+    __m512 o[TILE_GROUPS][TILE_VECS];
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < nv; c++)
+            o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * head_dim + d0 + 16 * c),
+                                    _mm512_set1_ps(shrink[g0 + g]));
+    for (int64_t j = 0; j < kept; j++) {
+        if (pf) pf_advance(pf, 1);
+        const int64_t row = rows[j] + d0;
+        __m512 w[TILE_GROUPS];
+        for (int g = 0; g < gc; g++) w[g] = _mm512_set1_ps(scores[(g0 + g) * CHUNK + j]);
+        for (int c = 0; c < nv; c++) {
+            __m512 v = load16(vb, row + 16 * c, elem);
+            for (int g = 0; g < gc; g++) o[g][c] = _mm512_fmadd_ps(w[g], v, o[g][c]);
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (g0 + g) * head_dim + d0 + 16 * c, o[g][c]);
+}
+
+#define VALUE_TILE16(D0, GC, NV) \
+    value_tile16(acc, scores, shrink, vb, rows, kept, FIRST_TILE_PF, head_dim, g0, D0, GC, NV, elem)
+
+static inline __attribute__((always_inline)) void values16(float *acc, const float *scores, const float *shrink,
+                                                           const void *vb, const int64_t *rows, int64_t kept,
+                                                           prefetcher *pf,
+                                                           int64_t head_dim, int64_t groups, int64_t elem) {
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+        int64_t d0 = 0;
+        for (; d0 + 16 * TILE_VECS <= head_dim; d0 += 16 * TILE_VECS) {
+            if (gc == 3) VALUE_TILE16(d0, 3, 4); else if (gc == 2) VALUE_TILE16(d0, 2, 4); else VALUE_TILE16(d0, 1, 4);
+        }
+        for (; d0 < head_dim; d0 += 16) {
+            if (gc == 3) VALUE_TILE16(d0, 3, 1); else if (gc == 2) VALUE_TILE16(d0, 2, 1); else VALUE_TILE16(d0, 1, 1);
+        }
+    }
+}
+
+/* The low and high halves of a 16-lane vector added: eight lanes with the same total. */
+static inline __m256 fold16(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* Scores of up to three query heads of the group at once (gc, a constant after inlining): each key row is
+ * loaded and widened once for all of them, and each score is still one chain over d in order, as before. */
+static inline __attribute__((always_inline)) void block_scores16(const float *qg, const void *kb, const int64_t *rows,
+                                                                 int64_t kept, int64_t head_dim, float *s, int gc,
+                                                                 int64_t elem) {
+    int64_t j = 0;
+    for (; j + 8 <= kept; j += 8) {
+        __m512 a[TILE_GROUPS][8];
+        for (int g = 0; g < gc; g++)
+            for (int i = 0; i < 8; i++) a[g][i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 q[TILE_GROUPS];
+            for (int g = 0; g < gc; g++) q[g] = _mm512_loadu_ps(qg + g * head_dim + d);
+            for (int i = 0; i < 8; i++) {
+                const __m512 k = load16(kb, rows[j + i] + d, elem);
+                for (int g = 0; g < gc; g++) a[g][i] = _mm512_fmadd_ps(k, q[g], a[g][i]);
+            }
+        }
+        for (int g = 0; g < gc; g++) {
+            __m256 h[8];
+            for (int i = 0; i < 8; i++) h[i] = fold16(a[g][i]);
+            _mm256_storeu_ps(s + g * CHUNK + j, hsum8(h));
+        }
+    }
+    for (; j < kept; j++) {
+        for (int g = 0; g < gc; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16)
+                a = _mm512_fmadd_ps(load16(kb, rows[j] + d, elem), _mm512_loadu_ps(qg + g * head_dim + d),
+                                    a);
+            s[g * CHUNK + j] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
+/* Every query head's scores of one block, in tiles of up to three heads: scores[g * CHUNK + j]. */
+static inline __attribute__((always_inline)) void scores16(const float *qf, const void *kb, const int64_t *rows,
+                                                           int64_t kept, int64_t head_dim, int64_t groups,
+                                                           float *scores, int64_t elem) {
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+        const float *qg = qf + g0 * head_dim;
+        float *s = scores + g0 * CHUNK;
+        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+        if (gc == 3) block_scores16(qg, kb, rows, kept, head_dim, s, 3, elem);
+        else if (gc == 2) block_scores16(qg, kb, rows, kept, head_dim, s, 2, elem);
+        else block_scores16(qg, kb, rows, kept, head_dim, s, 1, elem);
+    }
+}
+/* bf16 pools with head_dim % 32 == 0 (PAIRS mode): one 512-bit load holds 32 entries of a row.
+ * Values: the even entries widen with one shift and the odd ones with one mask (no widening shuffle), so
+ * the accumulators hold each 32 channels as 16 even then 16 odd ones; the output is put back in order once at the
+ * end (acc_index, below). */
+
+static inline __attribute__((always_inline)) void value_tile_pairs(float *acc, const float *scores,
+                                                                    const float *shrink, const uint16_t *vc,
+                                                                    const int64_t *rows, int64_t kept, prefetcher *pf,
+                                                                    int64_t head_dim, int64_t g0, int64_t d0, int gc,
+                                                                    int nv) {
+    __m512 o[TILE_GROUPS][4];
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < 2 * nv; c++)
+            o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * head_dim + d0 + 16 * c),
+                                    _mm512_set1_ps(shrink[g0 + g]));
+    for (int64_t j = 0; j < kept; j++) {
+        if (pf) pf_advance(pf, 1);
+        __m512 w[TILE_GROUPS];
+        for (int g = 0; g < gc; g++) w[g] = _mm512_set1_ps(scores[(g0 + g) * CHUNK + j]);
+        for (int c = 0; c < nv; c++) {
+            const __m512i x = _mm512_loadu_si512(vc + rows[j] + d0 + 32 * c);
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+            for (int g = 0; g < gc; g++) {
+                o[g][2 * c] = _mm512_fmadd_ps(w[g], even, o[g][2 * c]);
+                o[g][2 * c + 1] = _mm512_fmadd_ps(w[g], odd, o[g][2 * c + 1]);
+            }
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < 2 * nv; c++) _mm512_storeu_ps(acc + (g0 + g) * head_dim + d0 + 16 * c, o[g][c]);
+}
+
+#define VALUE_TILE_PAIRS(D0, GC, NV) \
+    value_tile_pairs(acc, scores, shrink, vc, rows, kept, FIRST_TILE_PF, head_dim, g0, D0, GC, NV)
+
+static inline __attribute__((always_inline)) void values_pairs(float *acc, const float *scores, const float *shrink,
+                                                               const uint16_t *vc, const int64_t *rows, int64_t kept,
+                                                               prefetcher *pf,
+                                                               int64_t head_dim, int64_t groups) {
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= head_dim; d0 += 64) {
+            if (gc == 3) VALUE_TILE_PAIRS(d0, 3, 2); else if (gc == 2) VALUE_TILE_PAIRS(d0, 2, 2);
+            else VALUE_TILE_PAIRS(d0, 1, 2);
+        }
+        if (d0 < head_dim) { /* 32 channels left */
+            if (gc == 3) VALUE_TILE_PAIRS(d0, 3, 1); else if (gc == 2) VALUE_TILE_PAIRS(d0, 2, 1);
+            else VALUE_TILE_PAIRS(d0, 1, 1);
+        }
+    }
+}
+
+#ifdef __AVX512BF16__
+/* Scores from the bf16 query and keys as they are, by AVX-512 BF16 dot products: each lane multiplies a pair
+ * of channels (products of bf16 values are exact in fp32) and adds them to its fp32 sum, so nothing is widened;
+ * the sum is scaled afterwards. Tiles of up to three query heads x eight keys, as block_scores16. */
+static inline __attribute__((always_inline)) void block_scores_dot(const uint16_t *qg, const uint16_t *kc,
+                                                                   const int64_t *rows, int64_t kept,
+                                                                   int64_t head_dim, float scale, float *s, int gc) {
+    int64_t j = 0;
+    for (; j + 8 <= kept; j += 8) {
+        __m512 a[TILE_GROUPS][8];
+        for (int g = 0; g < gc; g++)
+            for (int i = 0; i < 8; i++) a[g][i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            __m512bh q[TILE_GROUPS];
+            for (int g = 0; g < gc; g++) q[g] = (__m512bh)_mm512_loadu_si512(qg + g * head_dim + d);
+            for (int i = 0; i < 8; i++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kc + rows[j + i] + d);
+                for (int g = 0; g < gc; g++) a[g][i] = _mm512_dpbf16_ps(a[g][i], k, q[g]);
+            }
+        }
+        for (int g = 0; g < gc; g++) {
+            __m256 h[8];
+            for (int i = 0; i < 8; i++) h[i] = fold16(a[g][i]);
+            _mm256_storeu_ps(s + g * CHUNK + j, _mm256_mul_ps(hsum8(h), _mm256_set1_ps(scale)));
+        }
+    }
+    for (; j < kept; j++)
+        for (int g = 0; g < gc; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 32)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kc + rows[j] + d),
+                                     (__m512bh)_mm512_loadu_si512(qg + g * head_dim + d));
+            s[g * CHUNK + j] = _mm512_reduce_add_ps(a) * scale;
+        }
+}
+
+static inline __attribute__((always_inline)) void scores_dot(const uint16_t *qb, const uint16_t *kc,
+                                                             const int64_t *rows, int64_t kept, int64_t head_dim,
+                                                             int64_t groups, float scale, float *scores) {
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+        const uint16_t *qg = qb + g0 * head_dim;
+        float *s = scores + g0 * CHUNK;
+        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+        if (gc == 3) block_scores_dot(qg, kc, rows, kept, head_dim, scale, s, 3);
+        else if (gc == 2) block_scores_dot(qg, kc, rows, kept, head_dim, scale, s, 2);
+        else block_scores_dot(qg, kc, rows, kept, head_dim, scale, s, 1);
+    }
+}
+#endif
+#endif
+
+#endif /* HEARTH_PAGED_DECODE_TILES_H */
