@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 
 import torch
 
@@ -98,8 +99,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A fresh prompt's causal self-attention: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D] in q's dtype."""
+# The prompt kernel's fp32 work space (widened queries, transposed keys, widened values), kept per thread up to
+# this size: allocated per call, a few hundred KB come from fresh pages each time (glibc maps buffers that large on
+# their own), and faulting them in cost as much as a short prompt's attention (measured: docs/benchmarks.md).
+SCRATCH_KEEP_FLOATS = 4 << 20
+_scratch = threading.local()
+
+
+def _scratch_floats(count: int) -> torch.Tensor:
+    if count > SCRATCH_KEEP_FLOATS:
+        return torch.empty(count, dtype=torch.float32)
+    kept = getattr(_scratch, "buffer", None)
+    if kept is None or kept.numel() < count:
+        kept = _scratch.buffer = torch.empty(max(count, 1 << 16), dtype=torch.float32)
+    return kept
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """A fresh prompt's causal self-attention: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D] in q's dtype,
+    written into `out` when given (contiguous, that shape and dtype)."""
     lib = _causal_library()
     assert lib is not None
     tokens, q_heads, head_dim = q.shape
@@ -107,8 +126,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q, k, v = _rows(q), _rows(k), _rows(v)
     tile = lib.hearth_causal_attention_tile()
     padded = -(-tokens // tile) * tile
-    scratch = torch.empty(tokens * q_heads * head_dim + 2 * kv_heads * head_dim * padded, dtype=torch.float32)
-    out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype)
+    scratch = _scratch_floats(tokens * q_heads * head_dim + 2 * kv_heads * head_dim * padded)
+    if out is None:
+        out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     lib.hearth_causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.stride(0), k.stride(0),
                                 v.stride(0), tokens, q_heads, kv_heads, head_dim, scale,
                                 int(q.dtype == torch.bfloat16), scratch.data_ptr(), torch.get_num_threads())

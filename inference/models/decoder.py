@@ -320,7 +320,7 @@ class DecoderLM:
             pa.write_kv(kv.k, kv.v, kv.pos, batch.slots[index], qk[:, self.num_heads:], v, batch.positions)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: kernels write rows in place
         window, softcap = layer.sliding_window, self.attn_softcap
         for group in batch.decode_groups:
             tables = group.block_tables[index]
@@ -353,7 +353,7 @@ class DecoderLM:
                     q[o:e], kv.k, kv.pos, seg.block_table[index], seg.kv_lens[index], batch.positions[o:e],
                     self.scale, window, softcap))
             if seg.fresh and self.cpu_causal and window is None and softcap is None:
-                out[s:e] = cpa.causal_attention(q[s:e], k[s:e], v[s:e], self.scale)
+                cpa.causal_attention(q[s:e], k[s:e], v[s:e], self.scale, out=out[s:e])
             elif seg.fresh:
                 out[s:e] = pa.causal_attention_ref(q[s:e], k[s:e], v[s:e], batch.positions[s:e],
                                                    self.scale, window, softcap)

@@ -54,6 +54,19 @@ def test_bf16_matches_the_fp32_reference_within_bf16_rounding(seed: int) -> None
     assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
 
 
+def test_results_land_in_the_given_rows_and_the_kept_work_space_serves_any_size() -> None:
+    """Calls of growing and shrinking sizes share one per-thread work space; `out` rows are written in place."""
+    gen = torch.Generator().manual_seed(7)
+    calls = [_qkv(gen, tokens, 6, 2, 64) for tokens in (70, 9, 300, 33)]
+    target = torch.full((300 + 9, 6, 64), float("nan"))
+    for (q, k, v), rows in zip(calls, (slice(0, 70), slice(0, 9), slice(9, 309), slice(0, 33)), strict=True):
+        want = pa.causal_attention_ref(q, k, v, torch.arange(q.shape[0]), 0.125)
+        got = cpa.causal_attention(q, k, v, 0.125, out=target[rows])
+        assert got.data_ptr() == target[rows].data_ptr()
+        torch.testing.assert_close(target[rows], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cpa.causal_attention(q, k, v, 0.125), want, rtol=1e-4, atol=1e-5)
+
+
 def test_what_the_kernel_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     q, kv = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16)
     assert cpa.supports_causal(q, kv, kv)
