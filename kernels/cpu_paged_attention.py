@@ -100,8 +100,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # The prompt kernel's fp32 work space (widened queries, transposed keys, widened values), kept per thread up to
-# this size: allocated per call, a few hundred KB come from fresh pages each time (glibc maps buffers that large on
-# their own), and faulting them in cost as much as a short prompt's attention (measured: docs/benchmarks.md).
+# this size (16 MB) rather than allocated per call: a few hundred KB allocated per call and layer would be mapped
+# and faulted in afresh each time (glibc maps buffers that large on their own). Per thread: engines of several
+# models may run prompts at once.
 SCRATCH_KEEP_FLOATS = 4 << 20
 _scratch = threading.local()
 

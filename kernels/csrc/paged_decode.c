@@ -28,7 +28,8 @@
 
 #define MAX_BLOCK 64
 /* Entries the prefetcher runs ahead of the value loop: more than a chunk, since a chunk's scores are all computed
- * before its values are read. 192 measured best of 32-512 (docs/benchmarks.md, "CPU kernels"). */
+ * before its values are read. 192 measured best of 0-512 (docs/benchmarks.md, "Decode attention: chunks of 64
+ * entries"). */
 #define LEAD 192
 #define MAX_GROUPS 64
 #define MAX_GROUP_DIM 4096 /* query heads per kv head x head_dim the stack buffers hold */
