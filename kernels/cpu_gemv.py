@@ -4,12 +4,16 @@ reference.
 Decoding one token reads every weight once and does two flops per weight read, so its speed is the rate at
 which weights stream from memory. oneDNN's packed GEMV streams fp32 at ~19 GB/s on the 2-core AVX2 EPYC of
 docs/benchmarks.md, where a plain read runs at ~29: `csrc/gemv.c` closes that gap for one or two rows, on
-weights packed once (`pack`) into column blocks that each stream sequentially (see its header). More rows go
-to oneDNN, which is as fast from three or four rows on and far ahead once the product is compute-bound. bf16
-weights are half the bytes: sums in fp32, each output rounded once (as oneDNN's bf16 products do).
+weights packed once (`pack`) into column blocks that each stream sequentially (see its header). bf16 weights are
+half the bytes: sums in fp32, each output rounded once (as oneDNN's bf16 products do).
+
+Products of more rows are compute-bound. On a build without AVX-512 (the AVX2 machines where fp32 is the default
+dtype), `gemm` runs fp32 ones on the same packed weights with register tiles of 6 rows (`csrc/gemm.c`), ahead of
+oneDNN's packed fp32 products there (docs/benchmarks.md); elsewhere, and for bf16, they go to oneDNN.
 
 Built by kernels/cpu_build. Without a C compiler, AVX2 and FMA, or with HEARTH_CPU_GEMV=off (or
-HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path.
+HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path; HEARTH_CPU_GEMM=off turns off
+`gemm` alone.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ def _library() -> ctypes.CDLL | None:
         lib.hearth_gemv_f32.restype = lib.hearth_gemv_bf16.restype = None
         for fn in (lib.hearth_gemv_block_width, lib.hearth_gemv_bf16_pairs):
             fn.argtypes, fn.restype = [], ctypes.c_int64
+    return lib
+
+
+@functools.cache
+def _gemm_library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("gemm")
+    if lib is not None:
+        lib.hearth_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        lib.hearth_gemm_f32.restype = None
     return lib
 
 
@@ -118,6 +131,27 @@ def gemv(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) 
         widened = None if weight.packed.dim() == 4 else torch.empty(m, k, dtype=torch.float32)
         lib.hearth_gemv_bf16(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, n, k, threads,
                              widened.data_ptr() if widened is not None else None)
+    return y
+
+
+def gemm_supports(weight: GemvWeight) -> bool:
+    """Whether `gemm` takes products of many rows with this weight here: fp32, on a build without AVX-512 (where
+    it was measured against oneDNN), unless HEARTH_CPU_GEMM=off."""
+    return (weight.dtype == torch.float32 and os.environ.get("HEARTH_CPU_GEMM", "auto") != "off"
+            and "-mavx512f" not in cpu_build.flags() and _gemm_library() is not None)
+
+
+def gemm(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight^T (+ bias [n]) in fp32 for any m (made for many rows: `gemv` is faster at one or two),
+    on a weight `gemm_supports` accepted."""
+    lib = _gemm_library()
+    assert lib is not None and weight.dtype == torch.float32
+    m, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(m, weight.out_features, dtype=torch.float32)
+    b = bias.contiguous().data_ptr() if bias is not None else None
+    lib.hearth_gemm_f32(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, weight.out_features, k,
+                        torch.get_num_threads())
     return y
 
 

@@ -65,6 +65,8 @@ class Linear:
             packed = cpu_gemv.pack(weight)
             # The blocks gemv streams every decode step live on huge pages (inference/memory.py).
             self.gemv_weight = packed.with_packed(memory.copy(packed.packed))
+        # Products of more rows on those blocks too where kernels/cpu_gemv's gemm beats oneDNN (fp32 on AVX2).
+        self.gemm = self.gemv_weight is not None and cpu_gemv.gemm_supports(self.gemv_weight)
         self.packed = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) \
             and _onednn_packs(weight.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
@@ -74,8 +76,11 @@ class Linear:
         return self.gemv_weight, self.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
-            return cpu_gemv.gemv(x, self.gemv_weight, self.bias)
+        if self.gemv_weight is not None and x.dim() == 2:
+            if x.shape[0] <= cpu_gemv.MAX_ROWS:
+                return cpu_gemv.gemv(x, self.gemv_weight, self.bias)
+            if self.gemm:
+                return cpu_gemv.gemm(x, self.gemv_weight, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
