@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.cpu_peers import cpu_flags, dtypes
 from benchmarks.engine import memory_bandwidth_gbs
-from benchmarks.workloads import concurrent_prompts
+from benchmarks.workloads import alternating_pairs, concurrent_prompts, mean_seconds
 from inference import LLM, EngineConfig, SamplingParams, memory
 from inference.models.catalog import DEFAULT_MODEL
 from kernels import cpu_paged_attention as cpa
@@ -33,13 +33,6 @@ from kernels import paged_attention as pa
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SEQUENCES = 9, 3, 64, 16, 30, 32
 PROMPT_LENGTHS = (40, 165, 300, 2048)
-
-
-def _seconds(fn: Callable[[], object], repeat: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
 
 
 def _prompt_rows(dtype: torch.dtype, rounds: int) -> list[dict[str, Any]]:
@@ -52,11 +45,11 @@ def _prompt_rows(dtype: torch.dtype, rounds: int) -> list[dict[str, Any]]:
         kernel = functools.partial(cpa.causal_attention, q, k, v, scale)
         reference = functools.partial(pa.causal_attention_ref, q, k, v, positions, scale)
         repeat = max(3, 2000 // tokens)
-        _seconds(kernel, repeat), _seconds(reference, repeat)  # a whole untimed round: first calls run slow
+        mean_seconds(kernel, repeat), mean_seconds(reference, repeat)  # a whole untimed round: first calls run slow
         times: dict[str, list[float]] = {"kernel": [], "reference": []}
         for _ in range(rounds):
-            times["kernel"].append(_seconds(kernel, repeat))
-            times["reference"].append(_seconds(reference, repeat))
+            times["kernel"].append(mean_seconds(kernel, repeat))
+            times["reference"].append(mean_seconds(reference, repeat))
         ratios = [r / k for k, r in zip(times["kernel"], times["reference"], strict=True)]
         rows.append({"tokens": tokens, "kernel_us": statistics.median(times["kernel"]) * 1e6,
                      "reference_us": statistics.median(times["reference"]) * 1e6,
@@ -97,8 +90,8 @@ def _decode_pool(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     sweep(False), sweep(True)
     spread, cached = [], []
     for _ in range(rounds):
-        spread.append(_seconds(lambda: sweep(False), 3) / LAYERS)
-        cached.append(_seconds(lambda: sweep(True), 3) / LAYERS)
+        spread.append(mean_seconds(lambda: sweep(False), 3) / LAYERS)
+        cached.append(mean_seconds(lambda: sweep(True), 3) / LAYERS)
     layer_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * k.element_size()
     return {"layer_us": statistics.median(spread) * 1e6, "cached_us": statistics.median(cached) * 1e6,
             "layer_mb": layer_bytes / 1e6, "gbs": layer_bytes / statistics.median(spread) / 1e9}
@@ -136,15 +129,7 @@ def _passes(dtype: str, pairs: int, new_tokens: int) -> dict[str, Any]:
         return time.perf_counter() - start, spent[0], [list(o.token_ids) for o in out]
 
     try:
-        one(True), one(False)
-        on, off = [], []
-        for i in range(pairs):  # which side goes first alternates
-            if i % 2 == 0:
-                on.append(one(True))
-                off.append(one(False))
-            else:
-                off.append(one(False))
-                on.append(one(True))
+        on, off = alternating_pairs(one, pairs)
         same = min(sum(x == y for x, y in zip(a[2], b[2], strict=True)) for a, b in zip(on, off, strict=True))
     finally:
         for name, fn in originals.items():

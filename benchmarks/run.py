@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
 
-    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora|constrained|fleet|cpu_peers|decode_layer|cpu_attention|quant] [--quick]
+    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora|constrained|fleet|cpu_peers|decode_layer|cpu_attention|cpu_gemm|quant] [--quick]
 
 Each benchmark runs in its own process so one's memory and threads never colour another's figures.
 """
@@ -27,6 +27,7 @@ SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative 
             "cpu_peers": "CPU engines side by side: Hearth, vLLM's CPU backend, transformers",
             "decode_layer": "One-call decode layers against the Python forward (CPU)",
             "cpu_attention": "CPU attention kernels against the torch references",
+            "cpu_gemm": "CPU fp32 GEMM of many rows against oneDNN",
             "quant": "Weight-only int8: quality against fp32 (CPU)",
             "kernels": "Triton kernels against their torch references (CUDA)"}
 

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 SENTENCES = [
     "The committee met on Tuesday to review the budget for the coming year.",
@@ -36,3 +41,23 @@ def text_of_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
 def concurrent_prompts(tokenizer, count: int = 32, low: int = 50, high: int = 500, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [text_of_tokens(tokenizer, rng.randint(low, high), seed * 1000 + i) for i in range(count)]
+
+
+def alternating_pairs(one: Callable[[bool], T], pairs: int) -> tuple[list[T], list[T]]:
+    """`one(True)` and `one(False)` once each untimed, then `pairs` pairs whose first side alternates (on/off,
+    off/on, ...), so drift of the machine during the run falls on both sides alike: (on results, off results)."""
+    one(True), one(False)
+    on: list[T] = []
+    off: list[T] = []
+    for i in range(pairs):
+        for side in ((True, False) if i % 2 == 0 else (False, True)):
+            (on if side else off).append(one(side))
+    return on, off
+
+
+def mean_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """Seconds per call of `fn`, over `repeat` calls in a row."""
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat

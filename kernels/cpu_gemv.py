@@ -49,6 +49,7 @@ def _gemm_library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.hearth_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         lib.hearth_gemm_f32.restype = None
+        lib.hearth_gemm_chunk_rows.argtypes, lib.hearth_gemm_chunk_rows.restype = [], ctypes.c_int64
     return lib
 
 

@@ -8,11 +8,12 @@
  * ends. On AVX2 that is 6 x 2 vectors of sums, two weight vectors and one broadcast: 15 of the 16 registers. The
  * MR x NB chains of sums are independent, enough to keep both FMA pipes busy through their latency.
  *
- * A thread takes whole blocks and sweeps them over a chunk of rows at a time, the chunk's x (at most ~256 KB)
- * staying in its core's L2 while each block of weights is read from memory once per chunk and then from L1/L2 for
- * every tile of rows. With no further blocking of k (measured: chunks of k gained nothing, the extra passes over
- * y cost what the smaller weight panels saved) this runs at 120-190 GFLOP/s on 2 cores of the AVX2 EPYC of
- * docs/benchmarks.md, where oneDNN's packed fp32 products ran at 85-150 on the same shapes.
+ * A thread takes whole blocks and sweeps them over CHUNK_ROWS rows at a time: each block of weights is read from
+ * memory once per chunk and then from L1/L2 for every tile of the chunk's rows, whose x (221 KB at k = 576)
+ * stays in the caches meanwhile. Measured on the AVX2 EPYC of docs/benchmarks.md: chunks sized to keep x within
+ * 256 KB (12 rows at Qwen's k = 4864) re-read the weights too often there (down projection 106-123 GFLOP/s
+ * against 122-143 for 48-96 rows), and blocking k as well gained nothing (the extra passes over y cost what
+ * the smaller weight panels saved).
  *
  * Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
  */
@@ -24,7 +25,7 @@
 #define NB 2         /* vectors per block: the layout of gemv.c */
 #define BW (NB * VL) /* outputs per block */
 #define MR 6         /* rows per register tile */
-#define CHUNK_BYTES (256 * 1024)
+#define CHUNK_ROWS 96 /* 16 tiles */
 
 /* Rows [0, M) of x (row stride k) times one block over all k: y's rows (stride n) get the sums plus the bias;
  * width is how many of the block's outputs exist (the last block may be partial). M is a constant once inlined,
@@ -77,17 +78,14 @@ static void block_rows(const float *x, int64_t m, int64_t k, const float *block,
     }
 }
 
-/* The rows per chunk: as many whole tiles as fit CHUNK_BYTES of x, at least one. */
-int64_t hearth_gemm_chunk_rows(int64_t k) {
-    const int64_t tiles = CHUNK_BYTES / (MR * k * (int64_t)sizeof(float));
-    return (tiles > 1 ? tiles : 1) * MR;
-}
+/* The rows per chunk (tests walk across its boundaries). */
+int64_t hearth_gemm_chunk_rows(void) { return CHUNK_ROWS; }
 
 /* x [m, k] fp32; packed: ceil(n / BW) blocks of [k][BW] fp32 (outputs past n zero); b [n] or NULL; y [m, n].
  * threads: torch's count (omp_set_num_threads only set it for the thread that called torch.set_num_threads). */
 void hearth_gemm_f32(const float *x, const float *packed, const float *b, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t threads) {
-    const int64_t blocks = (n + BW - 1) / BW, chunk = hearth_gemm_chunk_rows(k);
+    const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     for (int64_t r0 = 0; r0 < m; r0 += chunk) {
         const int64_t rows = m - r0 < chunk ? m - r0 : chunk;

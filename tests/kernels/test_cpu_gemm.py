@@ -25,7 +25,7 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
 def test_gemm_matches_the_reference_on_random_shapes(seed: int) -> None:
     gen = torch.Generator().manual_seed(100 + seed)
     for _ in range(6):
-        # rows: every remainder of the 6-row tiles, and chunks of rows (the chunk is ~256 KB of x)
+        # rows: every remainder of the 6-row tiles, one chunk of rows and several
         m = int(torch.randint(3, 700, (), generator=gen))
         n = int(torch.randint(1, 300, (), generator=gen))  # partial last blocks included
         k = int(torch.randint(1, 1600, (), generator=gen))
@@ -39,8 +39,8 @@ def test_every_tile_height_and_every_chunk_boundary(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     lib = cpu_gemv._gemm_library()
     assert lib is not None
+    chunk = int(lib.hearth_gemm_chunk_rows())
     for n, k in ((40, 64), (33, 1536), (7, 3)):
-        chunk = int(lib.hearth_gemm_chunk_rows(k))
         w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         for m in (rows, chunk - 1 + rows, 2 * chunk + rows):  # tiles at the start, across and past chunk ends
             x = torch.randn(m, k, generator=gen)

@@ -1,0 +1,133 @@
+"""The fp32 GEMM of many rows (kernels/csrc/gemm.c) against oneDNN's packed fp32 product it replaces on AVX2.
+
+    python -m benchmarks.run --only cpu_gemm
+
+- products: GFLOP/s of both on the layer shapes of SmolLM2-135M and Qwen2.5-0.5B (fused qkv and gate/up, as the
+  engine runs them) at 8-2048 rows (the LM head at the 8 and 32 rows a step computes logits for), random fp32
+  weights, both in one process, alternating rounds; ratio = median of the per-round ratios [range].
+- whole passes: the 32-concurrent workload of `benchmarks/peers.py` on SmolLM2 in fp32, every layer's GEMM
+  switched on and off per pass (oneDNN's packed product when off), alternating; where the build does not route
+  products to the GEMM (AVX-512: bf16 is the default dtype there and oneDNN keeps fp32), the passes are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.cpu_peers import cpu_flags
+from benchmarks.workloads import alternating_pairs, concurrent_prompts, mean_seconds
+from inference import LLM, EngineConfig, SamplingParams
+from inference.models import layers
+from inference.models.catalog import DEFAULT_MODEL
+from kernels import cpu_gemv
+
+# (model, layer, out features n, in features k): hidden 576 / 896, MLP 1536 / 4864, 9+3+3 / 14+2+2 heads of 64.
+SHAPES = [("SmolLM2-135M", "qkv", 960, 576), ("SmolLM2-135M", "o", 576, 576),
+          ("SmolLM2-135M", "gate_up", 3072, 576), ("SmolLM2-135M", "down", 576, 1536),
+          ("SmolLM2-135M", "lm_head", 49152, 576),
+          ("Qwen2.5-0.5B", "qkv", 1152, 896), ("Qwen2.5-0.5B", "o", 896, 896),
+          ("Qwen2.5-0.5B", "gate_up", 9728, 896), ("Qwen2.5-0.5B", "down", 896, 4864)]
+ROWS = (8, 32, 128, 512, 2048)
+HEAD_ROWS = (8, 32)
+
+
+def _products(rounds: int, rows: tuple[int, ...]) -> list[dict[str, Any]]:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for model, name, n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen) / k ** 0.5
+        packed, onednn = cpu_gemv.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+        for m in (r for r in rows if name != "lm_head" or r in HEAD_ROWS):
+            x = torch.randn(m, k, generator=gen)
+            calls = {"gemm": functools.partial(cpu_gemv.gemm, x, packed),
+                     "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, onednn, None, "none", [], "")}
+            repeat = max(2, int(4e8 / (2 * m * n * k)))
+            for fn in calls.values():
+                mean_seconds(fn, repeat)  # untimed: the first calls of a shape run slow
+            times: dict[str, list[float]] = {"gemm": [], "onednn": []}
+            for i in range(rounds):
+                for side in (("gemm", "onednn") if i % 2 == 0 else ("onednn", "gemm")):
+                    times[side].append(mean_seconds(calls[side], repeat))
+            ratios = [o / g for g, o in zip(times["gemm"], times["onednn"], strict=True)]
+            flops = 2 * m * n * k
+            out.append({"model": model, "layer": name, "n": n, "k": k, "rows": m,
+                        "gemm_gflops": flops / statistics.median(times["gemm"]) / 1e9,
+                        "onednn_gflops": flops / statistics.median(times["onednn"]) / 1e9,
+                        "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]})
+    return out
+
+
+def _passes(pairs: int, new_tokens: int) -> dict[str, Any]:
+    llm = LLM(DEFAULT_MODEL, EngineConfig(dtype="float32", kv_cache_memory="1GiB", max_num_seqs=64,
+                                          max_num_batched_tokens=2048, speculation="off", num_threads=2))
+    prompts = concurrent_prompts(llm.tokenizer, count=32, low=30, high=300, seed=3)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    model = llm.engine.model
+    linears = [getattr(layer, f) for layer in model.layers for f in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
+    routed = [isinstance(lin, layers.Linear) and lin.gemm for lin in linears]
+    if not any(routed):
+        return {"skipped": "this build sends no product to the GEMM"}
+
+    def one(on: bool) -> tuple[float, list[list[int]]]:
+        for lin, gemm in zip(linears, routed, strict=True):
+            if gemm:
+                lin.gemm = on
+        llm.engine.blocks.reset_prefix_cache()
+        start = time.perf_counter()
+        out = llm.generate_ids(prompts, params)
+        return time.perf_counter() - start, [list(o.token_ids) for o in out]
+
+    try:
+        on, off = alternating_pairs(one, pairs)
+    finally:
+        for lin, gemm in zip(linears, routed, strict=True):
+            if gemm:
+                lin.gemm = True
+    same = min(sum(x == y for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(on, off, strict=True))
+    ratios = [b[0] / a[0] for a, b in zip(on, off, strict=True)]
+    tokens = len(prompts) * new_tokens
+    return {"on_tok_s": tokens / statistics.median(a[0] for a in on),
+            "off_tok_s": tokens / statistics.median(b[0] for b in off),
+            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "same": same, "sequences": len(prompts), "layers": sum(routed), "of": len(linears)}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    torch.set_num_threads(2)
+    flags = cpu_flags()
+    if cpu_gemv._gemm_library() is None:
+        return {"skipped": "no C compiler or no AVX2 + FMA here", "flags": ", ".join(flags)}
+    rounds, rows, pairs, new_tokens = (3, (8, 128), 1, 16) if quick else (7, ROWS, 3, 128)
+    return {"flags": ", ".join(flags), "torch": torch.__version__, "rounds": rounds, "pairs": pairs,
+            "new_tokens": new_tokens, "products": _products(rounds, rows), "passes": _passes(pairs, new_tokens)}
+
+
+def markdown(r: dict[str, Any]) -> str:
+    if "skipped" in r:
+        return f"Not run: {r['skipped']} (CPU flags: {r['flags']})."
+    lines = [f"fp32, 2 threads, torch {r['torch']}; CPU flags: {r['flags']}. Products: GFLOP/s, medians of "
+             f"{r['rounds']} alternating rounds, ratio = median of the per-round ratios [range]:", "",
+             "| model | layer (n × k) | rows | GEMM (GFLOP/s) | oneDNN packed (GFLOP/s) | GEMM / oneDNN |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for p in r["products"]:
+        low, high = p["ratio_range"]
+        lines.append(f"| {p['model']} | {p['layer']} ({p['n']} × {p['k']}) | {p['rows']} | {p['gemm_gflops']:.0f} | "
+                     f"{p['onednn_gflops']:.0f} | {p['ratio']:.2f}× [{low:.2f}–{high:.2f}] |")
+    passes = r["passes"]
+    lines.append("")
+    if "skipped" in passes:
+        lines.append(f"Whole passes: not run ({passes['skipped']}).")
+        return "\n".join(lines)
+    low, high = passes["ratio_range"]
+    lines += [f"Whole passes of the 32-concurrent workload (SmolLM2, fp32, {r['new_tokens']} greedy tokens each), "
+              f"the GEMM on and off ({passes['layers']} of {passes['of']} products; oneDNN when off) per pass, "
+              f"{r['pairs']} pairs:", "", "| GEMM (tok/s) | oneDNN (tok/s) | ratio | same tokens |",
+              "| --- | --- | --- | --- |",
+              f"| {passes['on_tok_s']:.1f} | {passes['off_tok_s']:.1f} | {passes['ratio']:.2f}× [{low:.2f}–{high:.2f}] "
+              f"| {passes['same']}/{passes['sequences']} |"]
+    return "\n".join(lines)
