@@ -6,7 +6,7 @@
   engine runs them) at 8-2048 rows (the LM head at the 8 and 32 rows a step computes logits for), random fp32
   weights, both in one process, alternating rounds; ratio = median of the per-round ratios [range].
 - whole passes: the 32-concurrent workload of `benchmarks/peers.py` on SmolLM2 in fp32, every layer's GEMM
-  switched on and off per pass (oneDNN's packed product when off), alternating; where the build does not route
+  switched on and off per pass (oneDNN's packed product of the same weights when off), alternating; where the build does not route
   products to the GEMM (AVX-512: bf16 is the default dtype there and oneDNN keeps fp32), the passes are skipped.
 """
 
@@ -69,14 +69,18 @@ def _passes(pairs: int, new_tokens: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     model = llm.engine.model
     linears = [getattr(layer, f) for layer in model.layers for f in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
-    routed = [isinstance(lin, layers.Linear) and lin.gemm for lin in linears]
-    if not any(routed):
+    routed = [lin for lin in linears if isinstance(lin, layers.Linear) and lin.gemm]
+    if not routed:
         return {"skipped": "this build sends no product to the GEMM"}
+    # A layer on the GEMM keeps no oneDNN copy: the comparison packs one from the same weights.
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(lin.gemv_weight.unpacked(), None) for lin in routed]
+
+    def switch(on: bool) -> None:
+        for lin, packed in zip(routed, onednn, strict=True):
+            lin.gemm, lin.packed, lin.weight = on, not on, None if on else packed
 
     def one(on: bool) -> tuple[float, list[list[int]]]:
-        for lin, gemm in zip(linears, routed, strict=True):
-            if gemm:
-                lin.gemm = on
+        switch(on)
         llm.engine.blocks.reset_prefix_cache()
         start = time.perf_counter()
         out = llm.generate_ids(prompts, params)
@@ -85,16 +89,14 @@ def _passes(pairs: int, new_tokens: int) -> dict[str, Any]:
     try:
         on, off = alternating_pairs(one, pairs)
     finally:
-        for lin, gemm in zip(linears, routed, strict=True):
-            if gemm:
-                lin.gemm = True
+        switch(True)
     same = min(sum(x == y for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(on, off, strict=True))
     ratios = [b[0] / a[0] for a, b in zip(on, off, strict=True)]
     tokens = len(prompts) * new_tokens
     return {"on_tok_s": tokens / statistics.median(a[0] for a in on),
             "off_tok_s": tokens / statistics.median(b[0] for b in off),
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "same": same, "sequences": len(prompts), "layers": sum(routed), "of": len(linears)}
+            "same": same, "sequences": len(prompts), "layers": len(routed), "of": len(linears)}
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -47,11 +47,12 @@ class Linear:
     """y = x W^T + b, on the fastest path this machine has for the shape.
 
     Decode is a stream of matrix-vector products whose cost is reading the weights; prefill and large batches
-    are compute-bound. On CPU the weight is pre-packed once into oneDNN's blocked layout, the fastest path
-    for products of three rows or more (about 150 GFLOP/s at 32 rows against BLAS's 80 on an AVX2 EPYC). For
-    one or two rows, fp32 and bf16 weights are also packed for kernels/cpu_gemv, which streams them faster
-    than oneDNN (docs/benchmarks.md): that copy costs the weight's size again in memory, which
-    HEARTH_CPU_GEMV=off saves.
+    are compute-bound. On CPU the weight is pre-packed once into oneDNN's blocked layout for products of three
+    rows or more (about 150 GFLOP/s at 32 rows against BLAS's 80 on an AVX2 EPYC). For one or two rows, fp32
+    and bf16 weights are also packed for kernels/cpu_gemv, which streams them faster than oneDNN
+    (docs/benchmarks.md): that copy costs the weight's size again in memory, which HEARTH_CPU_GEMV=off saves.
+    Where cpu_gemv's gemm is faster than oneDNN (fp32 on a build without AVX-512) every product runs on that
+    copy and there is no oneDNN one.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -65,22 +66,28 @@ class Linear:
             packed = cpu_gemv.pack(weight)
             # The blocks gemv streams every decode step live on huge pages (inference/memory.py).
             self.gemv_weight = packed.with_packed(memory.copy(packed.packed))
-        # Products of more rows on those blocks too where kernels/cpu_gemv's gemm beats oneDNN (fp32 on AVX2).
+        # Products of more rows on those blocks too where kernels/cpu_gemv's gemm beats oneDNN (fp32 on AVX2);
+        # then every product runs on them, and oneDNN's copy would only cost the weights' size again.
         self.gemm = self.gemv_weight is not None and cpu_gemv.gemm_supports(self.gemv_weight)
-        self.packed = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) \
-            and _onednn_packs(weight.dtype)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        self.packed = not self.gemm and weight.device.type == "cpu" \
+            and weight.dtype in (torch.float32, torch.bfloat16) and _onednn_packs(weight.dtype)
+        self.weight: torch.Tensor | None = None
+        if not self.gemm:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
     def kernel_weight(self) -> tuple[cpu_gemv.GemvWeight | None, torch.Tensor | None]:
         """What products of one or two rows run on (kernels/cpu_gemv), and the bias."""
         return self.gemv_weight, self.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_weight is not None and x.dim() == 2:
-            if x.shape[0] <= cpu_gemv.MAX_ROWS:
-                return cpu_gemv.gemv(x, self.gemv_weight, self.bias)
-            if self.gemm:
-                return cpu_gemv.gemm(x, self.gemv_weight, self.bias)
+        if self.gemm:
+            assert self.gemv_weight is not None
+            rows = x.reshape(-1, self.in_features)
+            product = cpu_gemv.gemv if rows.shape[0] <= cpu_gemv.MAX_ROWS else cpu_gemv.gemm
+            return product(rows, self.gemv_weight, self.bias).view(*x.shape[:-1], self.out_features)
+        if self.gemv_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
+            return cpu_gemv.gemv(x, self.gemv_weight, self.bias)
+        assert self.weight is not None
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -73,6 +73,14 @@ def test_linear_sends_many_fp32_rows_to_gemm_where_it_is_measured(monkeypatch: p
         x = torch.randn(rows, 128, generator=gen)
         _close(layer(x), x, w, b)
     assert calls == ([cpu_gemv.MAX_ROWS + 1, 300] if measured else [])
+    # On the GEMM every product runs on the packed blocks: no oneDNN copy, and any leading dims
+    assert (layer.weight is None) == measured
+    x = torch.randn(2, 5, 128, generator=gen)
+    got = layer(x)
+    assert got.shape == (2, 5, 200)
+    _close(got.reshape(10, 200), x.reshape(10, 128), w, b)
     assert not Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm  # bf16 stays with oneDNN
     monkeypatch.setenv("HEARTH_CPU_GEMM", "off")
-    assert not Linear(w, b).gemm
+    off = Linear(w, b)
+    assert not off.gemm and off.weight is not None
+    _close(off(x[0]), x[0], w, b)
