@@ -48,7 +48,7 @@ class Linear:
 
     Decode is a stream of matrix-vector products whose cost is reading the weights; prefill and large batches
     are compute-bound. On CPU the weight is pre-packed once into oneDNN's blocked layout for products of three
-    rows or more (about 150 GFLOP/s at 32 rows against BLAS's 80 on an AVX2 EPYC). For one or two rows, fp32
+    rows or more (ahead of BLAS there: docs/benchmarks.md). For one or two rows, fp32
     and bf16 weights are also packed for kernels/cpu_gemv, which streams them faster than oneDNN
     (docs/benchmarks.md): that copy costs the weight's size again in memory, which HEARTH_CPU_GEMV=off saves.
     Where cpu_gemv's gemm is faster than oneDNN (fp32 on a build without AVX-512) every product runs on that

@@ -47,19 +47,6 @@ def test_every_tile_height_and_every_chunk_boundary(rows: int) -> None:
             _close(cpu_gemv.gemm(x, cpu_gemv.pack(w), bias), x, w, bias)
 
 
-def test_gemm_takes_a_non_contiguous_input_and_any_thread_count() -> None:
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(96, 64, generator=gen)
-    x = torch.randn(64, 40, generator=gen).t()  # [40, 64], not contiguous
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            _close(cpu_gemv.gemm(x, cpu_gemv.pack(w)), x, w, None)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_linear_sends_many_fp32_rows_to_gemm_where_it_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(200, 128, generator=gen), torch.randn(200, generator=gen)

@@ -30,15 +30,16 @@ def test_gemv_matches_the_reference_on_random_shapes(seed: int) -> None:
         _close(cpu_gemv.gemv(x, cpu_gemv.pack(w), bias), cpu_gemv.gemv_ref(x, w, bias))
 
 
-def test_gemv_takes_a_non_contiguous_input_and_any_thread_count() -> None:
+@pytest.mark.parametrize(("product", "rows"), [("gemv", 3), ("gemm", 40)])  # gemm: kernels/csrc/gemm.c
+def test_products_take_a_non_contiguous_input_and_any_thread_count(product: str, rows: int) -> None:
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(96, 64, generator=gen)
-    x = torch.randn(64, 3, generator=gen).t()  # [3, 64], not contiguous
+    x = torch.randn(64, rows, generator=gen).t()  # [rows, 64], not contiguous
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            _close(cpu_gemv.gemv(x, cpu_gemv.pack(w)), cpu_gemv.gemv_ref(x, w))
+            _close(getattr(cpu_gemv, product)(x, cpu_gemv.pack(w)), cpu_gemv.gemv_ref(x, w))
     finally:
         torch.set_num_threads(threads)
 
