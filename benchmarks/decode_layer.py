@@ -1,4 +1,5 @@
-"""One-call decode layers (kernels/cpu_decode_layer) against the Python forward they replace, single stream.
+"""One-call decode layers (kernels/cpu_decode_layer) against the Python forward they replace: a single stream,
+and 32 concurrent sequences (steps of 32 rows, where the stack takes them: `many_rows`).
 
     python -m benchmarks.run --only decode_layer
 
@@ -19,12 +20,13 @@ import torch
 
 from benchmarks.cpu_peers import QWEN, cpu_flags, dtypes
 from benchmarks.engine import memory_bandwidth_gbs, weight_bytes_per_token
-from benchmarks.workloads import text_of_tokens
+from benchmarks.workloads import alternating_pairs, concurrent_prompts, text_of_tokens
 from inference import LLM, EngineConfig, SamplingParams
 from inference.models.catalog import DEFAULT_MODEL
 
 PAIRS = 8
 NEW_TOKENS = 128
+CONCURRENT_PAIRS = 3
 
 
 def _measure(model: str, dtype: str, quantization: str, pairs: int, new_tokens: int) -> dict[str, Any]:
@@ -60,6 +62,37 @@ def _measure(model: str, dtype: str, quantization: str, pairs: int, new_tokens: 
     return result
 
 
+def _concurrent(dtype: str, quantization: str, pairs: int, new_tokens: int) -> dict[str, Any]:
+    """SmolLM2, the 32-concurrent workload of benchmarks/peers.py (prompts of 30-300 tokens), whole passes."""
+    row: dict[str, Any] = {"dtype": dtype, "quantization": quantization}
+    llm = LLM(DEFAULT_MODEL, EngineConfig(dtype=dtype, quantization=quantization, kv_cache_memory="1GiB",
+                                          max_num_seqs=64, max_num_batched_tokens=2048, speculation="off",
+                                          num_threads=2))
+    decoder = llm.engine.model
+    stack = decoder.decode_stack
+    if stack is None or not stack.many_rows:
+        return row | {"skipped": "steps of many rows keep the Python forward here (their products are oneDNN's)"}
+    prompts = concurrent_prompts(llm.tokenizer, count=32, low=30, high=300, seed=3)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def one(on: bool) -> tuple[float, list[list[int]]]:
+        decoder.decode_stack = stack if on else None
+        llm.engine.blocks.reset_prefix_cache()
+        start = time.perf_counter()
+        out = llm.generate_ids(prompts, params)
+        return time.perf_counter() - start, [list(o.token_ids) for o in out]
+
+    try:
+        on, off = alternating_pairs(one, pairs)
+    finally:
+        decoder.decode_stack = stack
+    ratios = [b[0] / a[0] for a, b in zip(on, off, strict=True)]
+    tokens = len(prompts) * new_tokens
+    return row | {"on": tokens / statistics.median(a[0] for a in on), "off": tokens / statistics.median(b[0] for b in off),
+                  "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                  "same_tokens": all(a[1] == b[1] for a, b in zip(on, off, strict=True))}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     pairs, new_tokens = (3, 32) if quick else (PAIRS, NEW_TOKENS)
     torch.set_num_threads(2)
@@ -72,8 +105,15 @@ def run(quick: bool = False) -> dict[str, Any]:
                 rows.append(_measure(model, dtype, quantization, pairs, new_tokens))
                 gc.collect()  # the engine just measured, before the next one loads
         bandwidths.append(memory_bandwidth_gbs())
+    concurrent_pairs, concurrent_tokens = (1, 16) if quick else (CONCURRENT_PAIRS, NEW_TOKENS)
+    concurrent = []
+    for dtype in dtypes(flags):
+        for quantization in ("none", "int8"):
+            concurrent.append(_concurrent(dtype, quantization, concurrent_pairs, concurrent_tokens))
+            gc.collect()
     return {"rows": rows, "pairs": pairs, "new_tokens": new_tokens, "flags": ", ".join(flags),
-            "bandwidth_gbs": statistics.median(bandwidths), "torch": torch.__version__}
+            "bandwidth_gbs": statistics.median(bandwidths), "torch": torch.__version__, "concurrent": concurrent,
+            "concurrent_pairs": concurrent_pairs, "concurrent_tokens": concurrent_tokens}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -95,4 +135,17 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {row['model']} | {row['dtype']} | {row['quantization']} | {row['on']:.1f} | "
                      f"{row['off']:.1f} | {row['ratio']:.2f}× [{low:.2f}–{high:.2f}] | "
                      f"{row['on'] / top:.0%} / {row['off'] / top:.0%} | {'yes' if row['same_tokens'] else 'NO'} |")
+    if r.get("concurrent"):
+        lines += ["", f"32 concurrent sequences (SmolLM2, the prompts of 30–300 tokens of `benchmarks/peers.py`, "
+                  f"{r['concurrent_tokens']} greedy tokens each: decode steps of 32 rows), whole passes, the two "
+                  f"paths switched per pass, {r['concurrent_pairs']} pairs:", "",
+                  "| dtype | weights | one-call layers (tok/s) | Python forward (tok/s) | ratio | same tokens |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for row in r["concurrent"]:
+            if "skipped" in row:
+                lines.append(f"| {row['dtype']} | {row['quantization']} | — | — | — | {row['skipped']} |")
+                continue
+            low, high = row["ratio_range"]
+            lines.append(f"| {row['dtype']} | {row['quantization']} | {row['on']:.1f} | {row['off']:.1f} | "
+                         f"{row['ratio']:.2f}× [{low:.2f}–{high:.2f}] | {'yes' if row['same_tokens'] else 'NO'} |")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""A decoder layer of a one- or two-token decode step as one C call (csrc/decode_layer.c).
+"""A decoder layer of a decode step (one token per sequence) as one C call (csrc/decode_layer.c).
 
 The layer's nine kernel calls (norms, products, rotary + KV write, paged attention, SiLU * up) are the ones
 the decoder's Python forward makes, made from C in the same order on the same buffers: the results are the
@@ -9,7 +9,9 @@ call costs there (about a fifth of a SmolLM2 token once the weights stream at me
 step `start`s with its token rows and per-layer block tables, then runs `layer(step, i)` for every layer, so
 the engine can still act between layers. `matrix` says whether a product can run here at all; a model with any
 product that cannot (or a build without the kernels, HEARTH_CPU_KERNELS=off, HEARTH_CPU_DECODE_LAYER=off)
-keeps the Python forward.
+keeps the Python forward. Steps of more than MAX_ROWS sequences run here too where every product of more rows
+is also one of these kernels (fp32 on cpu_gemv's gemm, int8 on its own kernel at any row count; `many_rows`);
+otherwise (bf16 products of many rows go to oneDNN) those steps keep the Python forward.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ import torch
 from kernels import cpu_build, cpu_fused, cpu_gemv, cpu_int8, cpu_norm
 from kernels import cpu_paged_attention as cpa
 
-MAX_ROWS = cpu_gemv.MAX_ROWS  # more rows go to oneDNN's products, which the Python forward calls
+MAX_ROWS = cpu_gemv.MAX_ROWS  # the most rows of the GEMV entry points; more take each product's `many`
 GEMV_F32, GEMV_BF16, I8_F32, I8_BF16, I8_PAIRS = range(5)  # decode_layer.c's product kinds
 _c = ctypes.c_void_p
 
 
 class Matrix(ctypes.Structure):
     _fields_ = [("fn", _c), ("kind", ctypes.c_int64), ("packed", _c), ("scale", _c), ("bias", _c),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("many", _c)]
 
 
 class _Layer(ctypes.Structure):
@@ -43,7 +45,7 @@ class _Model(ctypes.Structure):
     _fields_ = ([(name, _c) for name in ("norm", "rope", "attention", "silu_mul")]
                 + [(name, ctypes.c_int64) for name in ("elem", "hidden", "hq", "hkv", "head_dim", "inter")]
                 + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")]
-                + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64)])
+                + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)])
 
 
 class _Step(ctypes.Structure):
@@ -77,9 +79,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def matrix(weight: cpu_gemv.GemvWeight | cpu_int8.Int8Weight | None, bias: torch.Tensor | None,
-           dtype: torch.dtype) -> Matrix | None:
-    """The product x W^T (+ bias) for x of `dtype` and at most MAX_ROWS rows, as the layer computes it in
-    Python (cpu_gemv.gemv, cpu_int8.linear), or None where that is not one of these kernels' entry points."""
+           dtype: torch.dtype, gemm: bool = False) -> Matrix | None:
+    """The product x W^T (+ bias) for x of `dtype`, as the layer computes it in Python (cpu_gemv.gemv for at most
+    MAX_ROWS rows and, where the layer routes more rows to it (`gemm`), cpu_gemv.gemm; cpu_int8.linear for any
+    rows), or None where that is not one of these kernels' entry points. The Matrix's `many` is the entry point
+    for more rows, or None where the layer sends them elsewhere (oneDNN)."""
     if weight is None or bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     n, k = weight.out_features, weight.in_features
@@ -89,17 +93,25 @@ def matrix(weight: cpu_gemv.GemvWeight | cpu_int8.Int8Weight | None, bias: torch
         if lib is None or weight.dtype != dtype or (weight.packed.dim() == 4) != cpu_gemv._pairs(dtype):
             return None
         if dtype == torch.float32:
-            return Matrix(_address(lib.hearth_gemv_f32), GEMV_F32, weight.packed.data_ptr(), None, _ptr(bias), n, k)
+            many_lib = cpu_gemv._gemm_library() if gemm else None
+            many = _address(many_lib.hearth_gemm_f32) if many_lib is not None else None
+            return Matrix(_address(lib.hearth_gemv_f32), GEMV_F32, weight.packed.data_ptr(), None, _ptr(bias), n, k,
+                          many)
         return Matrix(_address(lib.hearth_gemv_bf16), GEMV_BF16, weight.packed.data_ptr(), None, _ptr(bias), n, k)
     lib = cpu_int8._library()
     if lib is None or not weight.block or dtype not in cpu_int8.DTYPES:
         return None
     args = (weight.packed.data_ptr(), weight.scale.data_ptr(), _ptr(bias), n, k)
     if dtype == torch.float32:
-        return None if weight.pairs else Matrix(_address(lib.hearth_gemv_i8_f32), I8_F32, *args)
-    if weight.pairs:
-        return Matrix(_address(lib.hearth_gemv_i8_bf16_pairs), I8_PAIRS, *args) if lib.hearth_i8_bf16_pairs() else None
-    return Matrix(_address(lib.hearth_gemv_i8_bf16), I8_BF16, *args)
+        fn = None if weight.pairs else lib.hearth_gemv_i8_f32
+        kind = I8_F32
+    elif weight.pairs:
+        fn = lib.hearth_gemv_i8_bf16_pairs if lib.hearth_i8_bf16_pairs() else None
+        kind = I8_PAIRS
+    else:
+        fn, kind = lib.hearth_gemv_i8_bf16, I8_BF16
+    # The int8 kernels take any number of rows: the same entry point either way.
+    return Matrix(_address(fn), kind, *args, _address(fn)) if fn is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +157,10 @@ class DecodeStack:
             _address(attention.hearth_paged_decode_bf16 if bf16 else attention.hearth_paged_decode_f32),
             _address(fused.hearth_silu_mul_bf16 if bf16 else fused.hearth_silu_mul_f32),
             2 if bf16 else 4, hidden, num_heads, num_kv_heads, head_dim, intermediate,
-            eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads())
+            eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads(), MAX_ROWS)
         self.specs = layers  # the tensors the layer structs point into
+        # Steps of more rows run here only if every product of more rows is one of the kernels too.
+        self.many_rows = all(m.many for s in layers for m in (s.qkv, s.o, s.gate_up, s.down))
         self.layers = [_Layer(s.qkv, s.o, s.gate_up, s.down, s.input_norm.data_ptr(), s.post_norm.data_ptr(),
                               s.cos.data_ptr(), s.sin.data_ptr(), s.window or 0) for s in layers]
         self._refs = [ctypes.byref(layer) for layer in self.layers]
@@ -157,11 +171,12 @@ class DecodeStack:
     def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
               lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               pos_cache: torch.Tensor) -> DecodeStep:
-        """h [rows, hidden] (rows <= MAX_ROWS, updated in place); positions [rows]; slots [L, Hkv, rows];
-        tables [L, rows, Hkv, W]; lens [L, rows, Hkv]; the KV pool's caches ([N, block, D] and [N, block])."""
+        """h [rows, hidden] (one row per sequence, at most MAX_ROWS unless `many_rows`; updated in place);
+        positions [rows]; slots [L, Hkv, rows]; tables [L, rows, Hkv, W]; lens [L, rows, Hkv]; the KV pool's caches
+        ([N, block, D] and [N, block])."""
         m = self.model
         rows = h.shape[0]
-        assert rows <= MAX_ROWS and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
+        assert (rows <= MAX_ROWS or self.many_rows) and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
         self.model.threads = torch.get_num_threads()
         positions = positions.to(torch.int64).contiguous()
         slots = slots.to(torch.int64).contiguous()

@@ -181,14 +181,16 @@ class DecoderLM:
         self.decode_stack = self._decode_stack()
 
     def _decode_stack(self) -> cpu_decode_layer.DecodeStack | None:
-        """One C call per layer for decode steps of one or two tokens (kernels/cpu_decode_layer), where every
-        step of the layer already runs one of our CPU kernels: the same results, without Python between them."""
+        """One C call per layer for decode steps (kernels/cpu_decode_layer), where every step of the layer
+        already runs one of our CPU kernels: the same results, without Python between them. Steps of more than
+        two sequences too where every product of many rows is one of them (fp32 on the GEMM, int8)."""
         if not (self.cpu_fused and self.cpu_attention and self.silu_mul and cpu_decode_layer.available()
                 and self.hidden_size % 8 == 0 and not self.spec.qk_norm and not self.spec.sandwich_norms):
             return None
         specs: list[cpu_decode_layer.LayerSpec] = []
         for layer in self.layers:
-            products = [cpu_decode_layer.matrix(*linear.kernel_weight(), self.dtype)
+            products = [cpu_decode_layer.matrix(*linear.kernel_weight(), self.dtype,
+                                                gemm=isinstance(linear, layers.Linear) and linear.gemm)
                         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in products) or layer.rope.rotary_dim != self.head_dim:
                 return None
@@ -201,10 +203,11 @@ class DecoderLM:
 
     def _decode_step(self, h: torch.Tensor, batch: AttentionBatch,
                      kv: KVPool) -> cpu_decode_layer.DecodeStep | None:
-        """This step on the one-call layers, or None where it needs the Python forward (prompt chunks, more
-        rows, LoRA, sequences being compressed)."""
+        """This step on the one-call layers, or None where it needs the Python forward (prompt chunks, LoRA,
+        sequences being compressed, more rows than the stack's products take)."""
         if (self.decode_stack is None or batch.prefills or batch.lora is not None or len(batch.decode_groups) != 1
-                or h.shape[0] > cpu_decode_layer.MAX_ROWS or kv.k.shape[1] > cpa.MAX_BLOCK):
+                or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not self.decode_stack.many_rows)
+                or kv.k.shape[1] > cpa.MAX_BLOCK):
             return None
         group = batch.decode_groups[0]
         if group.observers is not None:

@@ -1,12 +1,12 @@
-/* One decoder layer of a decode step (one or two tokens) as a single call: the sequence of the other kernels'
- * entry points that the decoder's Python forward would make, without going back to Python between them.
+/* One decoder layer of a decode step (one token per sequence) as a single call: the sequence of the other
+ * kernels' entry points that the decoder's Python forward would make, without going back to Python between them.
  *
  * At one token a layer is nine kernel calls. With the weights streaming at memory speed, what each call costs
  * around its work (ctypes argument conversion, torch allocations and views, the interpreter) added up to about
- * a fifth of a SmolLM2 token (docs/benchmarks.md). This file does no arithmetic of its own: it calls the same
- * kernels (gemv.c, gemv_i8.c, norm.c, fused.c, paged_decode.c, each its own library, reached through function
- * pointers the Python side takes from them) in the same order on the same buffers, so its results are the
- * Python path's bit for bit.
+ * a fifth of a SmolLM2 token (docs/benchmarks.md); with 32 sequences decoding it is still a few milliseconds a
+ * step. This file does no arithmetic of its own: it calls the same kernels (gemv.c, gemm.c, gemv_i8.c, norm.c,
+ * fused.c, paged_decode.c, each its own library, reached through function pointers the Python side takes from
+ * them) in the same order on the same buffers, so its results are the Python path's bit for bit.
  */
 #include <stdint.h>
 #include <string.h>
@@ -41,6 +41,7 @@ typedef struct {
     const float *scale; /* int8 kinds: one per output */
     const void *bias;   /* [n] in the activations' dtype, or NULL */
     int64_t n, k;
+    void *many; /* the entry point for more than Model.gemv_rows rows (same arguments as fn), or NULL: none */
 } Matrix;
 
 /* What stays fixed for one layer from step to step. */
@@ -58,6 +59,7 @@ typedef struct {
     int64_t hidden, hq, hkv, head_dim, inter;
     float eps, scale, softcap; /* softcap 0: none */
     int64_t norm_offset, threads;
+    int64_t gemv_rows; /* the most rows `fn` takes; a step of more runs each product's `many` */
 } Model;
 
 /* One step: `rows` tokens, one per sequence; per-layer inputs stacked with the layer first. */
@@ -76,15 +78,18 @@ typedef struct {
     int64_t has_x;
 } Step;
 
+/* y = x W^T (+ bias) on the entry point the Python forward would call for this many rows (the caller only
+ * starts steps of more than gemv_rows rows where every matrix has a `many`). */
 static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y) {
     const int64_t m = S->rows;
+    void *fn = m > M->gemv_rows ? W->many : W->fn;
     switch (W->kind) {
-    case GEMV_F32: ((gemv_fn)W->fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads); break;
-    case GEMV_BF16: ((gemv_widened_fn)W->fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads, S->widened); break;
+    case GEMV_F32: ((gemv_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads); break;
+    case GEMV_BF16: ((gemv_widened_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads, S->widened); break;
     case I8_F32:
-    case I8_PAIRS: ((i8_fn)W->fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads); break;
+    case I8_PAIRS: ((i8_fn)fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads); break;
     case I8_BF16:
-        ((i8_widened_fn)W->fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads, S->widened);
+        ((i8_widened_fn)fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads, S->widened);
         break;
     }
 }

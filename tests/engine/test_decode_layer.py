@@ -1,6 +1,7 @@
-"""One C call per decoder layer for decode steps of one or two tokens (kernels/cpu_decode_layer): the engine's
-outputs with it against the Python forward it replaces, on fresh random tiny models, for fp32 and bf16, plain
-and int8 weights, on both CPU builds (the AVX2 one widens bf16 activations in a buffer the call passes)."""
+"""One C call per decoder layer for decode steps (kernels/cpu_decode_layer): the engine's outputs with it against
+the Python forward it replaces, on fresh random tiny models, for fp32 and bf16, plain and int8 weights, one, two
+and three sequences at a time, on both CPU builds (the AVX2 one widens bf16 activations in a buffer the call
+passes; only it routes fp32 products of many rows to the GEMM, which steps of three rows then run on)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for arch in ("llama", "qwen2")}
 
 
-PROMPTS = ["The quick brown fox jumps over", "Once upon a time in a small village by the sea, there lived"]
+PROMPTS = ["The quick brown fox jumps over", "Once upon a time in a small village by the sea, there lived",
+           "A third prompt, so that three sequences decode together"]
 
 
 def _outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
@@ -44,28 +46,33 @@ def test_one_call_layers_give_the_python_forward_results(isa: str, tiny_models: 
     model = llm.engine.runner.model
     stack = model.decode_stack
     assert stack is not None, "every product of these models runs on the CPU kernels"
+    # Steps of three rows run here where every product of many rows is a kernel too: int8 on any build, fp32
+    # where the layers route many rows to the GEMM (the AVX2 build); bf16 ones go to oneDNN or torch.
+    assert stack.many_rows == (quantization == "int8" or model.layers[0].qkv.gemm)
     calls: list[int] = []
     run_layer = stack.layer
     stack.layer = lambda step, index: (calls.append(step.struct.rows), run_layer(step, index))[1]
-    # One sequence (one row a step), then two at once (two rows a step).
-    fused = [_outputs(llm, PROMPTS[:1]), _outputs(llm, PROMPTS)]
+    # One sequence (one row a step), then two at once (two rows a step), then three.
+    fused = [_outputs(llm, PROMPTS[:1]), _outputs(llm, PROMPTS[:2]), _outputs(llm, PROMPTS)]
     assert calls.count(1) >= 23 * model.num_layers and calls.count(2) >= 23 * model.num_layers
+    assert calls.count(3) == (23 * model.num_layers if stack.many_rows else 0)
 
     model.decode_stack = None
-    python = [_outputs(llm, PROMPTS[:1]), _outputs(llm, PROMPTS)]
+    python = [_outputs(llm, PROMPTS[:1]), _outputs(llm, PROMPTS[:2]), _outputs(llm, PROMPTS)]
     # Bit for bit: the same kernels on the same buffers in the same order.
     assert fused == python
 
 
-def test_three_rows_and_prompt_chunks_keep_the_python_forward(tiny_models: dict[str, Path]) -> None:
-    llm = LLM(tiny_models["llama"], EngineConfig(dtype="float32", kv_cache_memory="16MiB", block_size=8))
+def test_prompt_passes_and_bf16_many_rows_keep_the_python_forward(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(tiny_models["llama"], EngineConfig(dtype="bfloat16", kv_cache_memory="16MiB", block_size=8))
     model = llm.engine.runner.model
+    assert not model.decode_stack.many_rows
     rows: list[int] = []
     run_layer = model.decode_stack.layer
     model.decode_stack.layer = lambda step, index: (rows.append(step.struct.rows), run_layer(step, index))[1]
-    outputs = _outputs(llm, PROMPTS + ["A third prompt, so that three sequences decode together"])
+    outputs = _outputs(llm, PROMPTS)
     assert all(len(tokens) == 24 for tokens, _ in outputs)
-    assert rows == [], "three rows a step, and the prompt passes, go through the Python forward"
+    assert rows == [], "three bf16 rows a step, and the prompt passes, go through the Python forward"
 
 
 def test_models_outside_its_shape_keep_the_python_forward(tmp_path: Path) -> None:
