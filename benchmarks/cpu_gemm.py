@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from benchmarks.cpu_peers import cpu_flags
-from benchmarks.workloads import alternating_pairs, concurrent_prompts, mean_seconds
+from benchmarks.workloads import concurrent_prompts, mean_seconds, switched_passes
 from inference import LLM, EngineConfig, SamplingParams
 from inference.models import layers
 from inference.models.catalog import DEFAULT_MODEL
@@ -79,24 +78,7 @@ def _passes(pairs: int, new_tokens: int) -> dict[str, Any]:
         for lin, packed in zip(routed, onednn, strict=True):
             lin.gemm, lin.packed, lin.weight = on, not on, None if on else packed
 
-    def one(on: bool) -> tuple[float, list[list[int]]]:
-        switch(on)
-        llm.engine.blocks.reset_prefix_cache()
-        start = time.perf_counter()
-        out = llm.generate_ids(prompts, params)
-        return time.perf_counter() - start, [list(o.token_ids) for o in out]
-
-    try:
-        on, off = alternating_pairs(one, pairs)
-    finally:
-        switch(True)
-    same = min(sum(x == y for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(on, off, strict=True))
-    ratios = [b[0] / a[0] for a, b in zip(on, off, strict=True)]
-    tokens = len(prompts) * new_tokens
-    return {"on_tok_s": tokens / statistics.median(a[0] for a in on),
-            "off_tok_s": tokens / statistics.median(b[0] for b in off),
-            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "same": same, "sequences": len(prompts), "layers": len(routed), "of": len(linears)}
+    return switched_passes(llm, prompts, params, switch, pairs) | {"layers": len(routed), "of": len(linears)}
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.cpu_peers import QWEN, cpu_flags, dtypes
 from benchmarks.engine import memory_bandwidth_gbs, weight_bytes_per_token
-from benchmarks.workloads import alternating_pairs, concurrent_prompts, text_of_tokens
+from benchmarks.workloads import concurrent_prompts, switched_passes, text_of_tokens
 from inference import LLM, EngineConfig, SamplingParams
 from inference.models.catalog import DEFAULT_MODEL
 
@@ -75,22 +75,10 @@ def _concurrent(dtype: str, quantization: str, pairs: int, new_tokens: int) -> d
     prompts = concurrent_prompts(llm.tokenizer, count=32, low=30, high=300, seed=3)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-    def one(on: bool) -> tuple[float, list[list[int]]]:
+    def switch(on: bool) -> None:
         decoder.decode_stack = stack if on else None
-        llm.engine.blocks.reset_prefix_cache()
-        start = time.perf_counter()
-        out = llm.generate_ids(prompts, params)
-        return time.perf_counter() - start, [list(o.token_ids) for o in out]
 
-    try:
-        on, off = alternating_pairs(one, pairs)
-    finally:
-        decoder.decode_stack = stack
-    ratios = [b[0] / a[0] for a, b in zip(on, off, strict=True)]
-    tokens = len(prompts) * new_tokens
-    return row | {"on": tokens / statistics.median(a[0] for a in on), "off": tokens / statistics.median(b[0] for b in off),
-                  "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                  "same_tokens": all(a[1] == b[1] for a, b in zip(on, off, strict=True))}
+    return row | switched_passes(llm, prompts, params, switch, pairs)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -146,6 +134,6 @@ def markdown(r: dict[str, Any]) -> str:
                 lines.append(f"| {row['dtype']} | {row['quantization']} | — | — | — | {row['skipped']} |")
                 continue
             low, high = row["ratio_range"]
-            lines.append(f"| {row['dtype']} | {row['quantization']} | {row['on']:.1f} | {row['off']:.1f} | "
-                         f"{row['ratio']:.2f}× [{low:.2f}–{high:.2f}] | {'yes' if row['same_tokens'] else 'NO'} |")
+            lines.append(f"| {row['dtype']} | {row['quantization']} | {row['on_tok_s']:.1f} | {row['off_tok_s']:.1f} | "
+                         f"{row['ratio']:.2f}× [{low:.2f}–{high:.2f}] | {row['same']}/{row['sequences']} |")
     return "\n".join(lines)

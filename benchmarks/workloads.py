@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -61,3 +62,30 @@ def mean_seconds(fn: Callable[[], object], repeat: int) -> float:
     for _ in range(repeat):
         fn()
     return (time.perf_counter() - start) / repeat
+
+
+def switched_passes(llm: Any, prompts: list[list[int]], params: Any, switch: Callable[[bool], None],
+                    pairs: int) -> dict[str, Any]:
+    """Whole passes of `prompts` on one loaded engine (an inference.LLM), `switch(True)` or `switch(False)` before
+    each, in `alternating_pairs` (the prefix cache reset each pass, so every pass computes its prompts), switched
+    back on at the end: each side's median tok/s, the median and range of the per-pair ratios (on over off), and
+    how many sequences gave the same tokens on both sides in every pair (`same` of `sequences`)."""
+
+    def one(on: bool) -> tuple[float, list[list[int]]]:
+        switch(on)
+        llm.engine.blocks.reset_prefix_cache()
+        start = time.perf_counter()
+        out = llm.generate_ids(prompts, params)
+        return time.perf_counter() - start, [list(o.token_ids) for o in out]
+
+    try:
+        on, off = alternating_pairs(one, pairs)
+    finally:
+        switch(True)
+    ratios = [b[0] / a[0] for a, b in zip(on, off, strict=True)]
+    tokens = len(prompts) * params.max_tokens
+    return {"on_tok_s": tokens / statistics.median(a[0] for a in on),
+            "off_tok_s": tokens / statistics.median(b[0] for b in off),
+            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "same": min(sum(x == y for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(on, off, strict=True)),
+            "sequences": len(prompts)}
