@@ -10,8 +10,9 @@ step `start`s with its token rows and per-layer block tables, then runs `layer(s
 the engine can still act between layers. `matrix` says whether a product can run here at all; a model with any
 product that cannot (or a build without the kernels, HEARTH_CPU_KERNELS=off, HEARTH_CPU_DECODE_LAYER=off)
 keeps the Python forward. Steps of more than MAX_ROWS sequences run here too where every product of more rows
-is also one of these kernels (fp32 on cpu_gemv's gemm, int8 on its own kernel at any row count; `many_rows`);
-otherwise (bf16 products of many rows go to oneDNN) those steps keep the Python forward.
+is also one of these kernels (cpu_gemv's gemm where the layers route products of many rows to it, int8 on its
+own kernel at any row count; `many_rows`); otherwise (products of many rows on oneDNN) those steps keep the
+Python forward.
 """
 
 from __future__ import annotations
@@ -92,12 +93,11 @@ def matrix(weight: cpu_gemv.GemvWeight | cpu_int8.Int8Weight | None, bias: torch
         # The packed layout must be the one this build reads (pairs of k where it has the bf16 dot product).
         if lib is None or weight.dtype != dtype or (weight.packed.dim() == 4) != cpu_gemv._pairs(dtype):
             return None
-        if dtype == torch.float32:
-            many_lib = cpu_gemv._gemm_library() if gemm else None
-            many = _address(many_lib.hearth_gemm_f32) if many_lib is not None else None
-            return Matrix(_address(lib.hearth_gemv_f32), GEMV_F32, weight.packed.data_ptr(), None, _ptr(bias), n, k,
-                          many)
-        return Matrix(_address(lib.hearth_gemv_bf16), GEMV_BF16, weight.packed.data_ptr(), None, _ptr(bias), n, k)
+        # gemm's entry points take the GEMV's arguments, so either serves the same kind.
+        many_fn = cpu_gemv.gemm_kernel(weight) if gemm else None
+        many = _address(many_fn) if many_fn is not None else None
+        fn, kind = (lib.hearth_gemv_f32, GEMV_F32) if dtype == torch.float32 else (lib.hearth_gemv_bf16, GEMV_BF16)
+        return Matrix(_address(fn), kind, weight.packed.data_ptr(), None, _ptr(bias), n, k, many)
     lib = cpu_int8._library()
     if lib is None or not weight.block or dtype not in cpu_int8.DTYPES:
         return None

@@ -7,9 +7,10 @@ docs/benchmarks.md, where a plain read runs at ~29: `csrc/gemv.c` closes that ga
 weights packed once (`pack`) into column blocks that each stream sequentially (see its header). bf16 weights are
 half the bytes: sums in fp32, each output rounded once (as oneDNN's bf16 products do).
 
-Products of more rows are compute-bound. On a build without AVX-512 (the AVX2 machines where fp32 is the default
-dtype), `gemm` runs fp32 ones on the same packed weights with register tiles of 6 rows (`csrc/gemm.c`), ahead of
-oneDNN's packed fp32 products there (docs/benchmarks.md); elsewhere, and for bf16, they go to oneDNN.
+Products of more rows are compute-bound. `gemm` runs them on the same packed weights with register tiles of 6
+rows (AVX2) or 12 (AVX-512) (`csrc/gemm.c`), in fp32, and in bf16 on builds with AVX-512 BF16 dot products; it
+is level with or ahead of oneDNN's packed products in both (docs/benchmarks.md). bf16 without those dot
+products goes to oneDNN.
 
 Built by kernels/cpu_build. Without a C compiler, AVX2 and FMA, or with HEARTH_CPU_GEMV=off (or
 HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path; HEARTH_CPU_GEMM=off turns off
@@ -48,8 +49,10 @@ def _gemm_library() -> ctypes.CDLL | None:
     lib = cpu_build.load("gemm")
     if lib is not None:
         lib.hearth_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-        lib.hearth_gemm_f32.restype = None
-        lib.hearth_gemm_chunk_rows.argtypes, lib.hearth_gemm_chunk_rows.restype = [], ctypes.c_int64
+        lib.hearth_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+        lib.hearth_gemm_f32.restype = lib.hearth_gemm_bf16.restype = None
+        for fn in (lib.hearth_gemm_chunk_rows, lib.hearth_gemm_tile_rows, lib.hearth_gemm_bf16_pairs):
+            fn.argtypes, fn.restype = [], ctypes.c_int64
     return lib
 
 
@@ -135,24 +138,37 @@ def gemv(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) 
     return y
 
 
+def gemm_kernel(weight: GemvWeight) -> ctypes._CFuncPtr | None:
+    """The GEMM's entry point for this weight's dtype and layout, where the build has one: fp32 anywhere, bf16
+    on the pairs of k of an AVX-512 BF16 build."""
+    lib = _gemm_library()
+    if lib is None:
+        return None
+    if weight.dtype == torch.float32:
+        return lib.hearth_gemm_f32
+    paired = weight.packed.dim() == 4 and bool(lib.hearth_gemm_bf16_pairs())
+    return lib.hearth_gemm_bf16 if paired else None
+
+
 def gemm_supports(weight: GemvWeight) -> bool:
-    """Whether `gemm` takes products of many rows with this weight here: fp32, on a build without AVX-512 (where
-    it was measured against oneDNN), unless HEARTH_CPU_GEMM=off."""
-    return (weight.dtype == torch.float32 and os.environ.get("HEARTH_CPU_GEMM", "auto") != "off"
-            and "-mavx512f" not in cpu_build.flags() and _gemm_library() is not None)
+    """Whether products of many rows with this weight go to `gemm` rather than to oneDNN: wherever it has an
+    entry point for the weight (ahead of oneDNN's packed products in both dtypes where measured:
+    docs/benchmarks.md), unless HEARTH_CPU_GEMM=off."""
+    return os.environ.get("HEARTH_CPU_GEMM", "auto") != "off" and gemm_kernel(weight) is not None
 
 
 def gemm(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ weight^T (+ bias [n]) in fp32 for any m (made for many rows: `gemv` is faster at one or two),
-    on a weight `gemm_supports` accepted."""
-    lib = _gemm_library()
-    assert lib is not None and weight.dtype == torch.float32
+    """x [m, k] @ weight^T (+ bias [n]) for any m (made for many rows: `gemv` is faster at one or two), on a
+    weight `gemm_kernel` has an entry point for; x and bias in the weight's dtype, which the result has too."""
+    fn = gemm_kernel(weight)
+    assert fn is not None
     m, k = x.shape
     x = x.contiguous()
-    y = torch.empty(m, weight.out_features, dtype=torch.float32)
+    y = torch.empty(m, weight.out_features, dtype=weight.dtype)
     b = bias.contiguous().data_ptr() if bias is not None else None
-    lib.hearth_gemm_f32(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, weight.out_features, k,
-                        torch.get_num_threads())
+    args = (x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, weight.out_features, k,
+            torch.get_num_threads())
+    fn(*args) if weight.dtype == torch.float32 else fn(*args, None)
     return y
 
 

@@ -51,8 +51,8 @@ class Linear:
     rows or more (ahead of BLAS there: docs/benchmarks.md). For one or two rows, fp32
     and bf16 weights are also packed for kernels/cpu_gemv, which streams them faster than oneDNN
     (docs/benchmarks.md): that copy costs the weight's size again in memory, which HEARTH_CPU_GEMV=off saves.
-    Where cpu_gemv's gemm is faster than oneDNN (fp32 on a build without AVX-512) every product runs on that
-    copy and there is no oneDNN one.
+    Where cpu_gemv's gemm takes the weight (fp32; bf16 with AVX-512 BF16), every product runs on that copy and
+    there is no oneDNN one.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -66,8 +66,9 @@ class Linear:
             packed = cpu_gemv.pack(weight)
             # The blocks gemv streams every decode step live on huge pages (inference/memory.py).
             self.gemv_weight = packed.with_packed(memory.copy(packed.packed))
-        # Products of more rows on those blocks too where kernels/cpu_gemv's gemm beats oneDNN (fp32 on AVX2);
-        # then every product runs on them, and oneDNN's copy would only cost the weights' size again.
+        # Products of more rows on those blocks too where kernels/cpu_gemv's gemm takes them (it keeps level with
+        # or ahead of oneDNN); then every product runs on them, and oneDNN's copy would only cost the weights'
+        # size again.
         self.gemm = self.gemv_weight is not None and cpu_gemv.gemm_supports(self.gemv_weight)
         self.packed = not self.gemm and weight.device.type == "cpu" \
             and weight.dtype in (torch.float32, torch.bfloat16) and _onednn_packs(weight.dtype)

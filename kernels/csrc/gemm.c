@@ -1,91 +1,146 @@
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) in fp32 for many rows of x: the products of a step of many tokens
- * (32 decoding sequences, a prompt), on the same packed weights as the one- and two-row products of gemv.c.
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for many rows of x: the products of a step of many tokens (32
+ * decoding sequences, a prompt), on the same packed weights as the one- and two-row products of gemv.c. fp32,
+ * and bf16 where the build has AVX-512 BF16 (fp32 sums, each output rounded once, as gemv.c and oneDNN do).
  *
  * Those weights are packed once (kernels/cpu_gemv.pack) into column blocks of BW outputs, k-major: for each k in
- * turn, the BW weights of outputs [c * BW, c * BW + BW). A register tile of MR rows of x by one block (MR x NB
- * vectors of sums) walks the whole of k: each step loads the block's NB weight vectors once and multiplies them
- * by MR broadcast values of x, so a weight load feeds MR multiply-adds and no sum leaves its register until k
- * ends. On AVX2 that is 6 x 2 vectors of sums, two weight vectors and one broadcast: 15 of the 16 registers. The
- * MR x NB chains of sums are independent, enough to keep both FMA pipes busy through their latency.
+ * turn, the BW weights of outputs [c * BW, c * BW + BW); bf16 with AVX-512 BF16 in pairs of k ([k / 2][BW][2]).
+ * A register tile of MR rows of x by one block (MR x NB vectors of sums) walks the whole of k: each step loads
+ * the block's NB weight vectors once and multiplies them by MR broadcast values of x (a pair of bf16 values for
+ * the dot product, which multiplies each output's pair of weights into one fp32 lane: twice fp32's
+ * multiply-adds per instruction), so a weight load feeds MR multiply-adds and no sum leaves its register until
+ * k ends. On AVX2 that is 6 x 2 vectors of sums, two weight vectors and one broadcast: 15 of the 16 registers;
+ * on AVX-512, 12 x 2 of 32. The MR x NB chains of sums are independent, enough to keep both FMA pipes busy
+ * through their latency.
  *
  * A thread takes whole blocks and sweeps them over CHUNK_ROWS rows at a time: each block of weights is read from
- * memory once per chunk and then from L1/L2 for every tile of the chunk's rows, whose x (221 KB at k = 576)
- * stays in the caches meanwhile. Measured on the AVX2 EPYC of docs/benchmarks.md: chunks sized to keep x within
- * 256 KB (12 rows at Qwen's k = 4864) re-read the weights too often there (down projection 106-123 GFLOP/s
- * against 122-143 for 48-96 rows), and blocking k as well gained nothing (the extra passes over y cost what
- * the smaller weight panels saved).
+ * memory once per chunk and then from L1/L2 for every tile of the chunk's rows, whose x (221 KB at k = 576
+ * fp32) stays in the caches meanwhile. Measured on the AVX2 EPYC of docs/benchmarks.md: chunks sized to keep x
+ * within 256 KB (12 rows at Qwen's k = 4864) re-read the weights too often there (down projection 106-123
+ * GFLOP/s against 122-143 for 48-96 rows), and blocking k as well gained nothing (the extra passes over y cost
+ * what the smaller weight panels saved).
  *
  * Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
 #define NB 2         /* vectors per block: the layout of gemv.c */
 #define BW (NB * VL) /* outputs per block */
-#define MR 6         /* rows per register tile */
-#define CHUNK_ROWS 96 /* 16 tiles */
+#ifdef __AVX512F__
+#define MR 12
+#else
+#define MR 6
+#endif
+#define CHUNK_ROWS 96 /* 8 or 16 tiles */
 
-/* Rows [0, M) of x (row stride k) times one block over all k: y's rows (stride n) get the sums plus the bias;
- * width is how many of the block's outputs exist (the last block may be partial). M is a constant once inlined,
- * so the tile's sums live in registers. */
-static inline __attribute__((always_inline)) void tile(int M, const float *x, int64_t k, const float *block,
-                                                        const float *b, float *y, int64_t n, int64_t width) {
-    vec acc[MR][NB];
-    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-        acc[r][0] = vzero();
-        acc[r][1] = vzero();
-    }
-    for (int64_t i = 0; i < k; i++) {
-        const vec w0 = vload_f32(block + i * BW), w1 = vload_f32(block + i * BW + VL);
-        _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-            const vec xr = vbcast(x + r * k + i);
-            acc[r][0] = vfma(w0, xr, acc[r][0]);
-            acc[r][1] = vfma(w1, xr, acc[r][1]);
-        }
-    }
-    if (width == BW) {
-        const vec b0 = b ? vload_f32(b) : vzero(), b1 = b ? vload_f32(b + VL) : vzero();
-        _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-            vstore(y + r * n, vadd(acc[r][0], b0));
-            vstore(y + r * n + VL, vadd(acc[r][1], b1));
+enum { F32, /* fp32 x, weights, bias and y: a step is one k */
+       BF16_PAIRS /* bf16 x, weights in pairs of k, bias and y: a step is a pair of k */ };
+
+/* acc[r][v] += (vector v of step i of the block) * (step i of row r of x), for a tile's M rows. */
+static inline __attribute__((always_inline)) void step(int kind, int M, vec acc[MR][NB], const void *block,
+                                                        int64_t i, const void *x, int64_t k) {
+#ifdef __AVX512BF16__
+    if (kind == BF16_PAIRS) {
+        const uint16_t *w = (const uint16_t *)block + i * BW * 2;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 2 * VL);
+        _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
+            const __m512bh xr = vbcast_pair_bf16((const uint16_t *)x + r * k + 2 * i);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xr);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xr);
         }
         return;
     }
-    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-        float sums[BW];
-        vstore(sums, acc[r][0]);
-        vstore(sums + VL, acc[r][1]);
-        for (int64_t c = 0; c < width; c++) y[r * n + c] = sums[c] + (b ? b[c] : 0.f);
+#endif
+    const float *w = (const float *)block + i * BW;
+    const vec w0 = vload_f32(w), w1 = vload_f32(w + VL);
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
+        const vec xr = vbcast((const float *)x + r * k + i);
+        acc[r][0] = vfma(w0, xr, acc[r][0]);
+        acc[r][1] = vfma(w1, xr, acc[r][1]);
     }
 }
 
+/* One row's BW sums plus the bias, stored in y's dtype; width is how many of the block's outputs exist (the
+ * last block may be partial). */
+static inline __attribute__((always_inline)) void store_row(int kind, const vec sums[NB], const void *b, void *y,
+                                                             int64_t width) {
+    float row[BW];
+    vstore(row, sums[0]);
+    vstore(row + VL, sums[1]);
+#ifdef __AVX512BF16__
+    if (kind == BF16_PAIRS) {
+        const uint16_t *bb = (const uint16_t *)b;
+        if (width == BW) {
+            for (int v = 0; v < NB; v++) {
+                const vec total = b ? vadd(sums[v], widen16_bf16(bb + v * VL)) : sums[v];
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + v * VL), narrow16_bf16(total));
+            }
+            return;
+        }
+        for (int64_t c = 0; c < width; c++)
+            ((uint16_t *)y)[c] = narrow1_bf16(row[c] + (b ? widen1_bf16(bb[c]) : 0.f));
+        return;
+    }
+#endif
+    const float *bf = (const float *)b;
+    if (width == BW) {
+        vstore((float *)y, b ? vadd(sums[0], vload_f32(bf)) : sums[0]);
+        vstore((float *)y + VL, b ? vadd(sums[1], vload_f32(bf + VL)) : sums[1]);
+        return;
+    }
+    for (int64_t c = 0; c < width; c++) ((float *)y)[c] = row[c] + (b ? bf[c] : 0.f);
+}
+
+/* Rows [0, M) of x (row stride k elements) times one block over all k; y's rows have stride n. M is a constant
+ * once inlined, so the tile's sums live in registers. */
+static inline __attribute__((always_inline)) void tile(int kind, int M, const void *x, int64_t k, const void *block,
+                                                        const void *b, void *y, int64_t n, int64_t width) {
+    const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2;
+    vec acc[MR][NB];
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
+        acc[r][0] = vzero();
+        acc[r][1] = vzero();
+    }
+    for (int64_t i = 0; i < steps; i++) step(kind, M, acc, block, i, x, k);
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) store_row(kind, acc[r], b, (char *)y + r * n * size, width);
+}
+
 /* m rows of x times one block: full tiles of MR rows, then one tile of the rows left. */
-static void block_rows(const float *x, int64_t m, int64_t k, const float *block, const float *b, float *y,
-                       int64_t n, int64_t width) {
+static inline __attribute__((always_inline)) void block_rows(int kind, const void *x, int64_t m, int64_t k,
+                                                              const void *block, const void *b, void *y, int64_t n,
+                                                              int64_t width) {
+    const int64_t size = kind == F32 ? 4 : 2;
     int64_t r = 0;
-    for (; r + MR <= m; r += MR) tile(MR, x + r * k, k, block, b, y + r * n, n, width);
-    x += r * k;
-    y += r * n;
-    switch (m - r) {
-    case 1: tile(1, x, k, block, b, y, n, width); break;
-    case 2: tile(2, x, k, block, b, y, n, width); break;
-    case 3: tile(3, x, k, block, b, y, n, width); break;
-    case 4: tile(4, x, k, block, b, y, n, width); break;
-    case 5: tile(5, x, k, block, b, y, n, width); break;
+    for (; r + MR <= m; r += MR)
+        tile(kind, MR, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * size, n, width);
+    x = (const char *)x + r * k * size;
+    y = (char *)y + r * n * size;
+    switch (m - r) { /* one copy per tile height */
+#if MR == 12
+    case 11: tile(kind, 11, x, k, block, b, y, n, width); break;
+    case 10: tile(kind, 10, x, k, block, b, y, n, width); break;
+    case 9: tile(kind, 9, x, k, block, b, y, n, width); break;
+    case 8: tile(kind, 8, x, k, block, b, y, n, width); break;
+    case 7: tile(kind, 7, x, k, block, b, y, n, width); break;
+    case 6: tile(kind, 6, x, k, block, b, y, n, width); break;
+#endif
+    case 5: tile(kind, 5, x, k, block, b, y, n, width); break;
+    case 4: tile(kind, 4, x, k, block, b, y, n, width); break;
+    case 3: tile(kind, 3, x, k, block, b, y, n, width); break;
+    case 2: tile(kind, 2, x, k, block, b, y, n, width); break;
+    case 1: tile(kind, 1, x, k, block, b, y, n, width); break;
     default: break;
     }
 }
 
-/* The rows per chunk (tests walk across its boundaries). */
-int64_t hearth_gemm_chunk_rows(void) { return CHUNK_ROWS; }
-
-/* x [m, k] fp32; packed: ceil(n / BW) blocks of [k][BW] fp32 (outputs past n zero); b [n] or NULL; y [m, n].
- * threads: torch's count (omp_set_num_threads only set it for the thread that called torch.set_num_threads). */
-void hearth_gemm_f32(const float *x, const float *packed, const float *b, float *y, int64_t m, int64_t n, int64_t k,
-                     int64_t threads) {
-    const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS;
+/* Every chunk of rows times every block, the blocks split between threads. */
+static inline __attribute__((always_inline)) void product(int kind, const void *x, const void *packed,
+                                                           const void *b, void *y, int64_t m, int64_t n, int64_t k,
+                                                           int64_t threads) {
+    const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     for (int64_t r0 = 0; r0 < m; r0 += chunk) {
         const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
@@ -93,7 +148,41 @@ void hearth_gemm_f32(const float *x, const float *packed, const float *b, float 
 #pragma omp for schedule(static) nowait
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
-            block_rows(x + r0 * k, rows, k, packed + blk * k * BW, b ? b + c0 : NULL, y + r0 * n + c0, n, width);
+            block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
+                       b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * size, n, width);
         }
     }
+}
+
+/* The rows per chunk (tests walk across its boundaries) and per register tile. */
+int64_t hearth_gemm_chunk_rows(void) { return CHUNK_ROWS; }
+
+int64_t hearth_gemm_tile_rows(void) { return MR; }
+
+/* Whether this build has hearth_gemm_bf16 (AVX-512 BF16: the weights in gemv.c's pairs of k). */
+int64_t hearth_gemm_bf16_pairs(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x [m, k] fp32; packed: ceil(n / BW) blocks of [k][BW] fp32 (outputs past n zero); b [n] or NULL; y [m, n].
+ * threads: torch's count (omp_set_num_threads only set it for the thread that called torch.set_num_threads). */
+void hearth_gemm_f32(const float *x, const float *packed, const float *b, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t threads) {
+    product(F32, x, packed, b, y, m, n, k, threads);
+}
+
+/* The same in bf16 on blocks of [k / 2][BW][2] (k even), where hearth_gemm_bf16_pairs() is 1 (elsewhere it does
+ * nothing). xf is unused: the arguments are gemv.c's hearth_gemv_bf16's, so either serves a decode layer. */
+void hearth_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b, uint16_t *y, int64_t m, int64_t n,
+                      int64_t k, int64_t threads, float *xf) {
+    (void)xf;
+#ifdef __AVX512BF16__
+    product(BF16_PAIRS, x, packed, b, y, m, n, k, threads);
+#else
+    (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
+#endif
 }

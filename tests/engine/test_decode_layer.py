@@ -1,7 +1,8 @@
 """One C call per decoder layer for decode steps (kernels/cpu_decode_layer): the engine's outputs with it against
 the Python forward it replaces, on fresh random tiny models, for fp32 and bf16, plain and int8 weights, one, two
 and three sequences at a time, on both CPU builds (the AVX2 one widens bf16 activations in a buffer the call
-passes; only it routes fp32 products of many rows to the GEMM, which steps of three rows then run on)."""
+passes and sends bf16 products of many rows to oneDNN; where the layers route products of many rows to the
+GEMM, steps of three rows run here too)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_one_call_layers_give_the_python_forward_results(isa: str, tiny_models: 
     stack = model.decode_stack
     assert stack is not None, "every product of these models runs on the CPU kernels"
     # Steps of three rows run here where every product of many rows is a kernel too: int8 on any build, fp32
-    # where the layers route many rows to the GEMM (the AVX2 build); bf16 ones go to oneDNN or torch.
+    # and plain bf16 where the layers route many rows to the GEMM (bf16: AVX-512 BF16 builds).
     assert stack.many_rows == (quantization == "int8" or model.layers[0].qkv.gemm)
     calls: list[int] = []
     run_layer = stack.layer
@@ -63,7 +64,9 @@ def test_one_call_layers_give_the_python_forward_results(isa: str, tiny_models: 
     assert fused == python
 
 
-def test_prompt_passes_and_bf16_many_rows_keep_the_python_forward(tiny_models: dict[str, Path]) -> None:
+def test_prompt_passes_and_many_rows_off_the_gemm_keep_the_python_forward(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEARTH_CPU_GEMM", "off")  # products of many rows on oneDNN, as bf16 on AVX2 builds
     llm = LLM(tiny_models["llama"], EngineConfig(dtype="bfloat16", kv_cache_memory="16MiB", block_size=8))
     model = llm.engine.runner.model
     assert not model.decode_stack.many_rows
@@ -72,7 +75,7 @@ def test_prompt_passes_and_bf16_many_rows_keep_the_python_forward(tiny_models: d
     model.decode_stack.layer = lambda step, index: (rows.append(step.struct.rows), run_layer(step, index))[1]
     outputs = _outputs(llm, PROMPTS)
     assert all(len(tokens) == 24 for tokens, _ in outputs)
-    assert rows == [], "three bf16 rows a step, and the prompt passes, go through the Python forward"
+    assert rows == [], "three rows a step on oneDNN, and the prompt passes, go through the Python forward"
 
 
 def test_models_outside_its_shape_keep_the_python_forward(tmp_path: Path) -> None:

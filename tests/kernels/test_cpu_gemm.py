@@ -1,5 +1,5 @@
-"""The CPU fp32 GEMM of many rows (kernels/csrc/gemm.c) against F.linear on fresh random inputs, and the Linear
-layer's dispatch to it."""
+"""The CPU GEMM of many rows (kernels/csrc/gemm.c), fp32 and bf16 (AVX-512 BF16 builds), against F.linear on
+fresh random inputs, and the Linear layer's dispatch to it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inference.models.layers import Linear
-from kernels import cpu_build, cpu_gemv
+from kernels import cpu_gemv
 
 pytestmark = [pytest.mark.skipif(cpu_gemv._gemm_library() is None,
                                  reason="the CPU GEMM kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -34,7 +34,39 @@ def test_gemm_matches_the_reference_on_random_shapes(seed: int) -> None:
         _close(cpu_gemv.gemm(x, cpu_gemv.pack(w), bias), x, w, bias)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13])
+def _bf16_pairs() -> bool:
+    lib = cpu_gemv._gemm_library()
+    return lib is not None and bool(lib.hearth_gemm_bf16_pairs())
+
+
+def _close_bf16(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # bf16 products are exact in fp32: the sums differ from the fp64 product only in the order of the fp32
+    # additions, then each output is rounded once, so it lies within one bf16 step of the exact result rounded.
+    exact = torch.nn.functional.linear(x.double(), w.double(), bias.double() if bias is not None else None)
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    torch.testing.assert_close(got.double(), exact.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_gemm_matches_the_reference_where_the_build_has_pairs(seed: int) -> None:
+    if not _bf16_pairs():
+        assert cpu_gemv.gemm_kernel(cpu_gemv.pack(torch.randn(4, 4).bfloat16())) is None
+        pytest.skip("bf16 products of many rows need AVX-512 BF16 dot products (oneDNN's elsewhere)")
+    gen = torch.Generator().manual_seed(200 + seed)
+    lib = cpu_gemv._gemm_library()
+    rows = [int(torch.randint(3, 400, (), generator=gen)) for _ in range(3)] + [int(lib.hearth_gemm_tile_rows()) + 1]
+    for m in rows:
+        n = int(torch.randint(1, 300, (), generator=gen))
+        k = 2 * int(torch.randint(1, 800, (), generator=gen))  # pairs of k
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16() if seed % 2 else None
+        packed = cpu_gemv.pack(w)
+        assert cpu_gemv.gemm_supports(packed)
+        _close_bf16(cpu_gemv.gemm(x, packed, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 23, 25])
 def test_every_tile_height_and_every_chunk_boundary(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     lib = cpu_gemv._gemm_library()
@@ -45,28 +77,31 @@ def test_every_tile_height_and_every_chunk_boundary(rows: int) -> None:
         for m in (rows, chunk - 1 + rows, 2 * chunk + rows):  # tiles at the start, across and past chunk ends
             x = torch.randn(m, k, generator=gen)
             _close(cpu_gemv.gemm(x, cpu_gemv.pack(w), bias), x, w, bias)
+            if _bf16_pairs() and k % 2 == 0:
+                xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()
+                _close_bf16(cpu_gemv.gemm(xb, cpu_gemv.pack(wb), bb), xb, wb, bb)
 
 
-def test_linear_sends_many_fp32_rows_to_gemm_where_it_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_sends_many_rows_to_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(200, 128, generator=gen), torch.randn(200, generator=gen)
     layer = Linear(w, b)
-    measured = "-mavx512f" not in cpu_build.flags()  # the AVX2 build: where it beat oneDNN
-    assert layer.gemm == measured
+    assert layer.gemm
     calls: list[int] = []
     gemm = cpu_gemv.gemm
     monkeypatch.setattr(cpu_gemv, "gemm", lambda x, *a: calls.append(x.shape[0]) or gemm(x, *a))
     for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 300):
         x = torch.randn(rows, 128, generator=gen)
         _close(layer(x), x, w, b)
-    assert calls == ([cpu_gemv.MAX_ROWS + 1, 300] if measured else [])
+    assert calls == [cpu_gemv.MAX_ROWS + 1, 300]
     # On the GEMM every product runs on the packed blocks: no oneDNN copy, and any leading dims
-    assert (layer.weight is None) == measured
+    assert layer.weight is None
     x = torch.randn(2, 5, 128, generator=gen)
     got = layer(x)
     assert got.shape == (2, 5, 200)
     _close(got.reshape(10, 200), x.reshape(10, 128), w, b)
-    assert not Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm  # bf16 stays with oneDNN
+    # bf16 takes the GEMM where the build has its dot products, else oneDNN
+    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm == _bf16_pairs()
     monkeypatch.setenv("HEARTH_CPU_GEMM", "off")
     off = Linear(w, b)
     assert not off.gemm and off.weight is not None
