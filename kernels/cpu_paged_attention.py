@@ -1,12 +1,15 @@
 """Attention on CPU in fp32 or bf16: decode over the paged KV pool, reading blocks in place (csrc/paged_decode.c),
-and causal attention of a fresh prompt (csrc/causal_attention.c).
+and causal attention of a prompt (csrc/causal_attention.c): a fresh one, or the next chunk of one whose start
+is cached.
 
 Decode has the same contract as `triton_paged_attention.paged_decode_attention`, and the same reference:
 `paged_attention.paged_decode_attention_ref` with `decode_mask`; the prompt kernel stands in for
 `paged_attention.causal_attention_ref` without a sliding window or softcap. Built by kernels/cpu_build;
 `supports` and `supports_causal` say whether a call can take these paths (fp32 or bf16 on CPU, head_dim a
 multiple of the vector width, the kernels' stack bounds). All sums are fp32 and bf16 outputs are rounded once at
-the end, so bf16 results are at least as close to an fp32 computation as the references'.
+the end, so bf16 results are at least as close to an fp32 computation as the references'. The chunk after a
+cached start stands in for `paged_attention.paged_prefill_attention_ref` where nothing was evicted from the
+sequence's blocks (entry t holds position t), also without a sliding window or softcap.
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ def _causal_library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.hearth_causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
                                                 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])
-        lib.hearth_causal_attention.restype = None
+        lib.hearth_prefill_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8
+                                                 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])
+        lib.hearth_causal_attention.restype = lib.hearth_prefill_attention.restype = None
         lib.hearth_causal_attention_tile.argtypes, lib.hearth_causal_attention_tile.restype = [], ctypes.c_int64
     return lib
 
@@ -134,4 +139,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     lib.hearth_causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.stride(0), k.stride(0),
                                 v.stride(0), tokens, q_heads, kv_heads, head_dim, scale,
                                 int(q.dtype == torch.bfloat16), scratch.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      context: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The next T tokens of a prompt after `context` cached ones: q [T, Hq, D] at positions context..context + T - 1,
+    whose keys and values are already written to the pool; caches [N, block_size, D]; block_table [Hkv, nb], in
+    which entry t of every kv head holds position t for t < context + T (nothing evicted). -> [T, Hq, D] in q's
+    dtype, written into `out` when given (contiguous, that shape and dtype). `supports_causal(q, k_cache,
+    k_cache[:, 0, :Hkv])`-style checks are the caller's: fp32 or bf16 on CPU, head_dim as for `causal_attention`."""
+    lib = _causal_library()
+    assert lib is not None
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = block_table.shape[0]
+    q = _rows(q)
+    table = block_table.to(torch.int64).contiguous()
+    tile = lib.hearth_causal_attention_tile()
+    padded = -(-(context + tokens) // tile) * tile
+    scratch = _scratch_floats(tokens * q_heads * head_dim + 2 * kv_heads * head_dim * padded)
+    if out is None:
+        out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype == k_cache.dtype and out.is_contiguous()
+    lib.hearth_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                                 out.data_ptr(), q.stride(0), table.shape[1], k_cache.shape[1], tokens, context,
+                                 q_heads, kv_heads, head_dim, scale, int(q.dtype == torch.bfloat16),
+                                 scratch.data_ptr(), torch.get_num_threads())
     return out

@@ -302,6 +302,14 @@ class DecoderLM:
             batch.memo[key] = pa.dense_decode_mask(lens[:, 0], positions, width, window)
         return batch.memo[key]
 
+    @staticmethod
+    def _whole_context(kv_lens: torch.Tensor, positions: torch.Tensor, start: int, end: int) -> int | None:
+        """How many of a prompt chunk's keys precede it, where every kv head still holds each of its positions in
+        order (entry t at position t: nothing evicted), so the C prompt kernel can read them; else None."""
+        last = int(positions[end - 1])
+        lens = kv_lens.tolist()
+        return last + 1 - (end - start) if min(lens) == max(lens) == last + 1 else None
+
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor,
                    batch: AttentionBatch, kv: KVPool) -> torch.Tensor:
         tokens = x.shape[0]
@@ -360,6 +368,9 @@ class DecoderLM:
             elif seg.fresh:
                 out[s:e] = pa.causal_attention_ref(q[s:e], k[s:e], v[s:e], batch.positions[s:e],
                                                    self.scale, window, softcap)
+            elif self.cpu_causal and window is None and softcap is None \
+                    and (context := self._whole_context(seg.kv_lens[index], batch.positions, s, e)) is not None:
+                cpa.prefill_attention(q[s:e], kv.k, kv.v, seg.block_table[index], context, self.scale, out=out[s:e])
             else:
                 extend = self.triton.prefill if self.triton is not None else pa.paged_prefill_attention_ref
                 out[s:e] = extend(q[s:e], kv.k, kv.v, kv.pos, seg.block_table[index], seg.kv_lens[index],

@@ -1,12 +1,15 @@
-/* Causal self-attention of a fresh prompt on CPU (nothing cached before it), fp32 or bf16, grouped-query heads:
- * out[t, h] = softmax over keys s <= t of (q[t, h] . k[s, h / G]) * scale, times v[s, h / G]. All arithmetic is
- * fp32; bf16 inputs are widened once and the output rounded once.
+/* Causal self-attention of a prompt on CPU, fp32 or bf16, grouped-query heads: out[t, h] = softmax over keys
+ * s <= t of (q[t, h] . k[s, h / G]) * scale, times v[s, h / G]. A fresh prompt (nothing cached before it) passes
+ * its own k and v; the next chunk of a prompt whose start is cached reads its keys from the paged KV pool, the
+ * chunk's queries sitting after them. All arithmetic is fp32; bf16 inputs are widened once and the output
+ * rounded once.
  *
  * torch's SDPA took about 1 ms a layer for a 165-token prompt of SmolLM2 (9 query heads, 3 kv heads, head_dim
  * 64): its per-call setup and the expanded key/value copies for the grouped heads cost more than the ~1 MFLOP of
  * arithmetic per head. Here, in two parallel passes:
- *  1. the keys are transposed per kv head into [head_dim][T] (fp32), the values widened into [T][head_dim], the
- *     queries widened and scaled: each is then read by every query row after it at unit stride;
+ *  1. the keys are transposed per kv head into [head_dim][S] (fp32; S keys, from their rows or the pool's
+ *     blocks), the values widened into [S][head_dim], the queries widened and scaled: each is then read by
+ *     every query row after it at unit stride;
  *  2. tasks of 16 query rows x one kv head: the rows' query vectors (row-major, the G heads of a row together)
  *     go QB at a time against key tiles of KT keys. Scores are QB x KT register tiles (one broadcast of q[d]
  *     against KT transposed keys per step of d), online softmax per vector with one update per key tile, then
@@ -67,19 +70,35 @@ static inline float load_elem(const void *p, int64_t i, int bf16) {
     return bf16 ? widen1_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Pass 1. q [T, Hq, D], k and v [T, Hkv, D] with row strides (elements) sq, sk, sv; qs [T, Hq, D] (scaled),
- * kt [Hkv, D, tpad], vw [Hkv, tpad, D]; key columns past T are zero (finite, and masked anyway). */
-static void prepare(const void *q, const void *k, const void *v, int64_t sq, int64_t sk, int64_t sv, int64_t T,
-                    int64_t hq, int64_t hkv, int64_t D, int64_t tpad, float scale, int bf16, float *qs, float *kt,
-                    float *vw, int64_t threads) {
+/* Where key t of kv head h lives: in k and v rows of their own (table NULL: row t, strides sk and sv), or in the
+ * paged KV pool (caches [N, B, D], one kv head per block; table [Hkv, W] gives each head's blocks). */
+typedef struct {
+    const void *k, *v;
+    int64_t sk, sv;
+    const int64_t *table;
+    int64_t width, block;
+} Keys;
+
+static inline int64_t key_row(const Keys *K, int64_t h, int64_t t, int64_t stride, int64_t D) {
+    if (!K->table) return t * stride + h * D;
+    return (K->table[h * K->width + t / K->block] * K->block + t % K->block) * D;
+}
+
+/* Pass 1. q [T, Hq, D] with row stride sq, the S keys and values of K; qs [T, Hq, D] (scaled), kt [Hkv, D, tpad],
+ * vw [Hkv, tpad, D]; key columns past S are zero (finite, and masked anyway). */
+static void prepare(const void *q, int64_t sq, const Keys *K, int64_t T, int64_t S, int64_t hq, int64_t hkv,
+                    int64_t D, int64_t tpad, float scale, int bf16, float *qs, float *kt, float *vw,
+                    int64_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t t = 0; t < tpad; t++) {
-        for (int64_t h = 0; h < hkv; h++)
+        for (int64_t h = 0; h < hkv; h++) {
+            const int live = t < S;
+            const int64_t kr = live ? key_row(K, h, t, K->sk, D) : 0, vr = live ? key_row(K, h, t, K->sv, D) : 0;
             for (int64_t d = 0; d < D; d++) {
-                const int live = t < T;
-                kt[(h * D + d) * tpad + t] = live ? load_elem(k, t * sk + h * D + d, bf16) : 0.f;
-                vw[(h * tpad + t) * D + d] = live ? load_elem(v, t * sv + h * D + d, bf16) : 0.f;
+                kt[(h * D + d) * tpad + t] = live ? load_elem(K->k, kr + d, bf16) : 0.f;
+                vw[(h * tpad + t) * D + d] = live ? load_elem(K->v, vr + d, bf16) : 0.f;
             }
+        }
         if (t < T)
             for (int64_t i = 0; i < hq * D; i++) qs[t * hq * D + i] = load_elem(q, t * sq + i, bf16) * scale;
     }
@@ -158,16 +177,13 @@ static inline __attribute__((always_inline)) void attend(const float *const qv[Q
     }
 }
 
-/* q [T, Hq, D] (row stride sq), k and v [T, Hkv, D] (row strides sk, sv), out [T, Hq, D] contiguous; all fp32
- * (bf16 = 0) or all bf16 (bf16 = 1). D % VL == 0, D <= MAX_DIM, Hq % Hkv == 0 (the caller checks). scratch:
- * floats for qs, kt and vw: T * Hq * D + 2 * Hkv * D * tpad, tpad = T rounded up to KT
- * (hearth_causal_attention_tile() gives KT). */
-void hearth_causal_attention(const void *q, const void *k, const void *v, void *out, int64_t sq, int64_t sk,
-                             int64_t sv, int64_t T, int64_t hq, int64_t hkv, int64_t D, float scale, int64_t bf16,
-                             float *scratch, int64_t threads) {
-    const int64_t tpad = (T + KT - 1) / KT * KT, G = hq / hkv;
+/* The prompt's T queries after `ctx` earlier keys: query row r sits at position ctx + r and sees keys 0..ctx + r
+ * of the S = ctx + T in K. */
+static void attention(const void *q, int64_t sq, const Keys *K, void *out, int64_t T, int64_t ctx, int64_t hq,
+                      int64_t hkv, int64_t D, float scale, int bf16, float *scratch, int64_t threads) {
+    const int64_t S = ctx + T, tpad = (S + KT - 1) / KT * KT, G = hq / hkv;
     float *qs = scratch, *kt = qs + T * hq * D, *vw = kt + hkv * D * tpad;
-    prepare(q, k, v, sq, sk, sv, T, hq, hkv, D, tpad, scale, (int)bf16, qs, kt, vw, threads);
+    prepare(q, sq, K, T, S, hq, hkv, D, tpad, scale, bf16, qs, kt, vw, threads);
     const int64_t tiles = (T + QT - 1) / QT;
     /* Later row tiles attend over more keys: the largest go first so the threads finish together. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads > 0 ? threads : 1)
@@ -183,7 +199,7 @@ void hearth_causal_attention(const void *q, const void *k, const void *v, void *
                 const int64_t n = first + i < vectors ? first + i : vectors - 1;
                 const int64_t r = r0 + n / G, head = h * G + n % G;
                 qv[i] = qs + (r * hq + head) * D;
-                row[i] = (float)r;
+                row[i] = (float)(ctx + r);
                 where[i] = (r * hq + head) * D;
             }
             attend(qv, row, kt + h * D * tpad, vw + h * tpad * D, D, tpad, out_f);
@@ -194,6 +210,28 @@ void hearth_causal_attention(const void *q, const void *k, const void *v, void *
                 }
         }
     }
+}
+
+/* q [T, Hq, D] (row stride sq), k and v [T, Hkv, D] (row strides sk, sv), out [T, Hq, D] contiguous; all fp32
+ * (bf16 = 0) or all bf16 (bf16 = 1). D % VL == 0, D <= MAX_DIM, Hq % Hkv == 0 (the caller checks). scratch:
+ * floats for qs, kt and vw: T * Hq * D + 2 * Hkv * D * tpad, tpad = T rounded up to KT
+ * (hearth_causal_attention_tile() gives KT). */
+void hearth_causal_attention(const void *q, const void *k, const void *v, void *out, int64_t sq, int64_t sk,
+                             int64_t sv, int64_t T, int64_t hq, int64_t hkv, int64_t D, float scale, int64_t bf16,
+                             float *scratch, int64_t threads) {
+    const Keys K = {k, v, sk, sv, NULL, 0, 0};
+    attention(q, sq, &K, out, T, 0, hq, hkv, D, scale, (int)bf16, scratch, threads);
+}
+
+/* The next T tokens of a prompt whose first ctx tokens are already in the paged KV pool, with the T new keys and
+ * values written there too: entry t of every kv head's blocks (table [Hkv, W], caches [N, B, D]) holds position
+ * t, for t < ctx + T (the caller checks: nothing evicted). The rest as hearth_causal_attention, with tpad =
+ * ctx + T rounded up to KT. */
+void hearth_prefill_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                              void *out, int64_t sq, int64_t width, int64_t block, int64_t T, int64_t ctx, int64_t hq,
+                              int64_t hkv, int64_t D, float scale, int64_t bf16, float *scratch, int64_t threads) {
+    const Keys K = {k_cache, v_cache, 0, 0, table, width, block};
+    attention(q, sq, &K, out, T, ctx, hq, hkv, D, scale, (int)bf16, scratch, threads);
 }
 
 int64_t hearth_causal_attention_tile(void) { return KT; }

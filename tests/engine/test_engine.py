@@ -50,6 +50,23 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_llama, reference) -> None:
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
+def test_chunks_after_a_cached_start_take_the_cpu_prompt_kernel(tiny_llama, reference,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU a prompt split over steps attends with the C prompt kernel from its second chunk on, reading the
+    earlier chunks from the paged pool (kernels/cpu_paged_attention.prefill_attention): the same tokens."""
+    from kernels import cpu_paged_attention as cpa
+
+    if not cpa.available():
+        pytest.skip("the CPU attention kernels cannot be built here")
+    chunks: list[int] = []
+    kernel = cpa.prefill_attention
+    monkeypatch.setattr(cpa, "prefill_attention",
+                        lambda q, *args, **kwargs: (chunks.append(q.shape[0]), kernel(q, *args, **kwargs))[1])
+    llm = _llm(tiny_llama, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert chunks, "the longest prompt took several chunks"
+
+
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_llama, reference) -> None:
     llm = _llm(tiny_llama, kv_cache_memory="1MiB", enable_prefix_caching=False)
     layout = llm.engine.pool.layout

@@ -1,4 +1,5 @@
-"""The CPU causal-attention kernel for fresh prompts against the torch reference, on fresh random inputs."""
+"""The CPU causal-attention kernel for prompts, fresh or after a cached start, against the torch references, on
+fresh random inputs."""
 
 from __future__ import annotations
 
@@ -52,6 +53,47 @@ def test_bf16_matches_the_fp32_reference_within_bf16_rounding(seed: int) -> None
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
     ref16 = pa.causal_attention_ref(q, k, v, positions, scale).float()
     assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
+
+
+def _pool_with_prompt(gen: torch.Generator, dtype: torch.dtype, total: int, kv_heads: int, head_dim: int,
+                      block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A paged pool whose kv heads each hold positions 0..total - 1 in order, in blocks placed at random among
+    others holding noise: caches [N, block, D], positions [N, block], the block table [Hkv, nb]."""
+    per_head = -(-total // block)
+    blocks = kv_heads * per_head + 5
+    k = torch.randn(blocks, block, head_dim, generator=gen).to(dtype)
+    v = torch.randn(blocks, block, head_dim, generator=gen).to(dtype)
+    pos = torch.full((blocks, block), 10 ** 6, dtype=torch.int32)  # noise: never visible
+    table = torch.randperm(blocks, generator=gen)[: kv_heads * per_head].view(kv_heads, per_head)
+    for h in range(kv_heads):
+        for t in range(total):
+            pos[table[h, t // block], t % block] = t
+    return k, v, pos, table
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chunk_after_a_cached_start_matches_the_paged_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(80 + seed)
+    # (context, chunk): one token after many, a chunk in the first key tile, across tile edges, long ones
+    context, tokens = ((1, 1), (100, 1), (3, 40), (64, 64), (150, 77), (17, 130), (300, 200), (31, 33))[seed]
+    kv_heads = int(torch.randint(1, 4, (), generator=gen))
+    q_heads = kv_heads * int(torch.randint(1, 8, (), generator=gen))
+    head_dim = (16, 64, 32, 64, 128, 48, 64, 80)[seed]
+    block = (16, 8, 16, 32, 16, 4, 16, 64)[seed]
+    dtype = torch.bfloat16 if seed % 2 else torch.float32
+    k, v, pos, table = _pool_with_prompt(gen, dtype, context + tokens, kv_heads, head_dim, block)
+    q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    lens = torch.full((kv_heads,), context + tokens)
+    positions = torch.arange(context, context + tokens)
+    got = cpa.prefill_attention(q, k, v, table, context, scale)
+    want = pa.paged_prefill_attention_ref(q.float(), k.float(), v.float(), pos, table, lens, positions, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    else:  # fp32 arithmetic on bf16 inputs, rounded once: no further from fp32 than the bf16 reference
+        ref16 = pa.paged_prefill_attention_ref(q, k, v, pos, table, lens, positions, scale).float()
+        assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
 
 
 def test_results_land_in_the_given_rows_and_the_kept_work_space_serves_any_size() -> None:
