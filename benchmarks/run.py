@@ -27,7 +27,7 @@ SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative 
             "cpu_peers": "CPU engines side by side: Hearth, vLLM's CPU backend, transformers",
             "decode_layer": "One-call decode layers against the Python forward (CPU)",
             "cpu_attention": "CPU attention kernels against the torch references",
-            "cpu_gemm": "CPU fp32 GEMM of many rows against oneDNN",
+            "cpu_gemm": "CPU GEMM of many rows against oneDNN (fp32, bf16)",
             "quant": "Weight-only int8: quality against fp32 (CPU)",
             "kernels": "Triton kernels against their torch references (CUDA)"}
 
