@@ -147,8 +147,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """The next T tokens of a prompt after `context` cached ones: q [T, Hq, D] at positions context..context + T - 1,
     whose keys and values are already written to the pool; caches [N, block_size, D]; block_table [Hkv, nb], in
     which entry t of every kv head holds position t for t < context + T (nothing evicted). -> [T, Hq, D] in q's
-    dtype, written into `out` when given (contiguous, that shape and dtype). `supports_causal(q, k_cache,
-    k_cache[:, 0, :Hkv])`-style checks are the caller's: fp32 or bf16 on CPU, head_dim as for `causal_attention`."""
+    dtype, written into `out` when given (contiguous, that shape and dtype). What it takes is what `supports_causal`
+    accepts for the chunk's own q, k and v (the caller checks)."""
     lib = _causal_library()
     assert lib is not None
     tokens, q_heads, head_dim = q.shape

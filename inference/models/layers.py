@@ -47,12 +47,11 @@ class Linear:
     """y = x W^T + b, on the fastest path this machine has for the shape.
 
     Decode is a stream of matrix-vector products whose cost is reading the weights; prefill and large batches
-    are compute-bound. On CPU the weight is pre-packed once into oneDNN's blocked layout for products of three
-    rows or more (ahead of BLAS there: docs/benchmarks.md). For one or two rows, fp32
-    and bf16 weights are also packed for kernels/cpu_gemv, which streams them faster than oneDNN
-    (docs/benchmarks.md): that copy costs the weight's size again in memory, which HEARTH_CPU_GEMV=off saves.
-    Where cpu_gemv's gemm takes the weight (fp32; bf16 with AVX-512 BF16), every product runs on that copy and
-    there is no oneDNN one.
+    are compute-bound. On CPU, fp32 and bf16 weights are packed once for kernels/cpu_gemv, whose GEMV streams
+    one or two rows faster than oneDNN (docs/benchmarks.md). Where its gemm takes the weight (fp32; bf16 with
+    AVX-512 BF16), products of three rows or more run on that copy too and there is no other. Elsewhere those
+    go to a oneDNN-packed copy (ahead of BLAS: docs/benchmarks.md), which costs the weight's size again in
+    memory; HEARTH_CPU_GEMV=off keeps only oneDNN's.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
