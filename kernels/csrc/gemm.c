@@ -22,6 +22,7 @@
  * Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -63,6 +64,20 @@ static inline __attribute__((always_inline)) void step(int kind, int M, vec acc[
     }
 }
 
+/* Lines of a block to fetch into L2 ahead of its use, `lines` (1 or 2) a step until `end`; lines 0: none. */
+typedef struct {
+    const char *at, *end;
+    int64_t lines;
+} prefetch;
+
+static inline __attribute__((always_inline)) void fetch_ahead(prefetch *pf) {
+    if (pf->at < pf->end) {
+        _mm_prefetch(pf->at, _MM_HINT_T0);
+        if (pf->lines > 1) _mm_prefetch(pf->at + 64, _MM_HINT_T0);
+        pf->at += 64 * pf->lines;
+    }
+}
+
 /* One row's BW sums plus the bias, stored in y's dtype; width is how many of the block's outputs exist (the
  * last block may be partial). */
 static inline __attribute__((always_inline)) void store_row(int kind, const vec sums[NB], const void *b, void *y,
@@ -97,42 +112,68 @@ static inline __attribute__((always_inline)) void store_row(int kind, const vec 
 /* Rows [0, M) of x (row stride k elements) times one block over all k; y's rows have stride n. M is a constant
  * once inlined, so the tile's sums live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int M, const void *x, int64_t k, const void *block,
-                                                        const void *b, void *y, int64_t n, int64_t width) {
+                                                        const void *b, void *y, int64_t n, int64_t width,
+                                                        prefetch *pf) {
     const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2;
     vec acc[MR][NB];
     _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
         acc[r][0] = vzero();
         acc[r][1] = vzero();
     }
-    for (int64_t i = 0; i < steps; i++) step(kind, M, acc, block, i, x, k);
+    if (pf->lines == 0)
+        for (int64_t i = 0; i < steps; i++) step(kind, M, acc, block, i, x, k);
+    else
+        for (int64_t i = 0; i < steps; i++) {
+            step(kind, M, acc, block, i, x, k);
+            fetch_ahead(pf);
+        }
     _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) store_row(kind, acc[r], b, (char *)y + r * n * size, width);
 }
 
-/* m rows of x times one block: full tiles of MR rows, then one tile of the rows left. */
+/* A tile of M rows, M in [1, MR] known only at run time: one inlined copy per height. */
+static inline __attribute__((always_inline)) void tile_of(int kind, int64_t M, const void *x, int64_t k,
+                                                           const void *block, const void *b, void *y, int64_t n,
+                                                           int64_t width, prefetch *pf) {
+    switch (M) {
+#if MR == 12
+    case 12: tile(kind, 12, x, k, block, b, y, n, width, pf); break;
+    case 11: tile(kind, 11, x, k, block, b, y, n, width, pf); break;
+    case 10: tile(kind, 10, x, k, block, b, y, n, width, pf); break;
+    case 9: tile(kind, 9, x, k, block, b, y, n, width, pf); break;
+    case 8: tile(kind, 8, x, k, block, b, y, n, width, pf); break;
+    case 7: tile(kind, 7, x, k, block, b, y, n, width, pf); break;
+#endif
+    case 6: tile(kind, 6, x, k, block, b, y, n, width, pf); break;
+    case 5: tile(kind, 5, x, k, block, b, y, n, width, pf); break;
+    case 4: tile(kind, 4, x, k, block, b, y, n, width, pf); break;
+    case 3: tile(kind, 3, x, k, block, b, y, n, width, pf); break;
+    case 2: tile(kind, 2, x, k, block, b, y, n, width, pf); break;
+    case 1: tile(kind, 1, x, k, block, b, y, n, width, pf); break;
+    default: break;
+    }
+}
+
+/* m rows of x times one block, in as few tiles as MR allows. Where the rows left after full tiles would make a
+ * tile of more than MR / 2 rows, the tiles' heights are made even instead (32 rows: 11, 11 and 10 rather than
+ * 12, 12 and 8, 1.1-1.15x the products); a short tile of the rest (40 rows: 12, 12, 12 and 4) measured faster
+ * than even ones of 10. From the second tile on (in the only tile where there is one), while the block is read
+ * again from cache, the next block the thread takes (`next`, or NULL) is prefetched, so the first tile of a
+ * block finds it in cache instead of waiting on memory (32 rows: 1.1-1.25x; docs/benchmarks.md). */
 static inline __attribute__((always_inline)) void block_rows(int kind, const void *x, int64_t m, int64_t k,
                                                               const void *block, const void *b, void *y, int64_t n,
-                                                              int64_t width) {
-    const int64_t size = kind == F32 ? 4 : 2;
-    int64_t r = 0;
-    for (; r + MR <= m; r += MR)
-        tile(kind, MR, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * size, n, width);
-    x = (const char *)x + r * k * size;
-    y = (char *)y + r * n * size;
-    switch (m - r) { /* one copy per tile height */
-#if MR == 12
-    case 11: tile(kind, 11, x, k, block, b, y, n, width); break;
-    case 10: tile(kind, 10, x, k, block, b, y, n, width); break;
-    case 9: tile(kind, 9, x, k, block, b, y, n, width); break;
-    case 8: tile(kind, 8, x, k, block, b, y, n, width); break;
-    case 7: tile(kind, 7, x, k, block, b, y, n, width); break;
-    case 6: tile(kind, 6, x, k, block, b, y, n, width); break;
-#endif
-    case 5: tile(kind, 5, x, k, block, b, y, n, width); break;
-    case 4: tile(kind, 4, x, k, block, b, y, n, width); break;
-    case 3: tile(kind, 3, x, k, block, b, y, n, width); break;
-    case 2: tile(kind, 2, x, k, block, b, y, n, width); break;
-    case 1: tile(kind, 1, x, k, block, b, y, n, width); break;
-    default: break;
+                                                              int64_t width, const void *next) {
+    const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2, tiles = (m + MR - 1) / MR;
+    const int64_t lines = k * BW * size / 64; /* a block's cache lines */
+    prefetch none = {0, 0, 0}, pf = none;
+    if (next) { /* one or two lines a step, spread over the steps of the tiles that prefetch */
+        const int64_t later = tiles > 1 ? (tiles - 1) * steps : steps, per = (lines + later - 1) / later;
+        pf = (prefetch){(const char *)next, (const char *)next + lines * 64, per > 1 ? 2 : 1};
+    }
+    for (int64_t t = 0, r = 0; t < tiles; t++) {
+        const int64_t rows = m % MR == 0 || m % MR > MR / 2 ? m / tiles + (t < m % tiles) : t < tiles - 1 ? MR : m % MR;
+        tile_of(kind, rows, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * size, n, width,
+                t == 0 && tiles > 1 ? &none : &pf);
+        r += rows;
     }
 }
 
@@ -142,14 +183,20 @@ static inline __attribute__((always_inline)) void product(int kind, const void *
                                                            int64_t threads) {
     const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-        const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-        /* static and nowait: a thread takes the same blocks in every chunk, so no thread waits on another */
-#pragma omp for schedule(static) nowait
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
-            block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
-                       b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * size, n, width);
+    {
+        /* A thread takes the same run of blocks in every chunk, so no thread waits on another; after its last
+         * block of a chunk comes its first again, for the next chunk's rows. */
+        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t first = blocks * t / team, end = blocks * (t + 1) / team;
+        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+            for (int64_t blk = first; blk < end; blk++) {
+                const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
+                const int64_t after = blk + 1 < end ? blk + 1 : r0 + chunk < m ? first : -1;
+                block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
+                           b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * size, n, width,
+                           after >= 0 ? (const char *)packed + after * k * BW * size : NULL);
+            }
         }
     }
 }

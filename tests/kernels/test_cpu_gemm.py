@@ -66,7 +66,9 @@ def test_bf16_gemm_matches_the_reference_where_the_build_has_pairs(seed: int) ->
         _close_bf16(cpu_gemv.gemm(x, packed, bias), x, w, bias)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 23, 25])
+# Every tile height of both builds, alone and as the short or even tiles after full ones (AVX-512: 19 -> 10 + 9,
+# 20 -> 10 + 10, 32 -> 11 + 11 + 10, 40 -> 12 + 12 + 12 + 4; AVX2: 10 -> 5 + 5, 11 -> 6 + 5, 8 -> 6 + 2).
+@pytest.mark.parametrize("rows", [*range(1, 14), 17, 19, 20, 22, 23, 25, 32, 33, 40, 44])
 def test_every_tile_height_and_every_chunk_boundary(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     lib = cpu_gemv._gemm_library()
