@@ -158,19 +158,22 @@ static inline __attribute__((always_inline)) void tile_of(int kind, int64_t M, c
  * 12, 12 and 8, 1.1-1.15x the products); a short tile of the rest (40 rows: 12, 12, 12 and 4) measured faster
  * than even ones of 10. From the second tile on (in the only tile where there is one), while the block is read
  * again from cache, the next block the thread takes (`next`, or NULL) is prefetched, so the first tile of a
- * block finds it in cache instead of waiting on memory (32 rows: 1.1-1.25x; docs/benchmarks.md). */
+ * block finds it in cache instead of waiting on memory (32 rows: 1.1-1.4x; docs/benchmarks.md). Not for fp32
+ * blocks of four tiles or more: prompt-sized fp32 products ran 5-10% slower with it on an AVX-512 EPYC (bf16 ones
+ * gained). */
 static inline __attribute__((always_inline)) void block_rows(int kind, const void *x, int64_t m, int64_t k,
                                                               const void *block, const void *b, void *y, int64_t n,
                                                               int64_t width, const void *next) {
     const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2, tiles = (m + MR - 1) / MR;
     const int64_t lines = k * BW * size / 64; /* a block's cache lines */
     prefetch none = {0, 0, 0}, pf = none;
-    if (next) { /* one or two lines a step, spread over the steps of the tiles that prefetch */
+    if (next && (kind == BF16_PAIRS || tiles <= 3)) { /* one or two lines a step, over the tiles that prefetch */
         const int64_t later = tiles > 1 ? (tiles - 1) * steps : steps, per = (lines + later - 1) / later;
         pf = (prefetch){(const char *)next, (const char *)next + lines * 64, per > 1 ? 2 : 1};
     }
     for (int64_t t = 0, r = 0; t < tiles; t++) {
-        const int64_t rows = m % MR == 0 || m % MR > MR / 2 ? m / tiles + (t < m % tiles) : t < tiles - 1 ? MR : m % MR;
+        const int64_t even = m % MR == 0 || m % MR > MR / 2;
+        const int64_t rows = even ? m / tiles + (t < m % tiles) : t < tiles - 1 ? MR : m % MR;
         tile_of(kind, rows, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * size, n, width,
                 t == 0 && tiles > 1 ? &none : &pf);
         r += rows;
