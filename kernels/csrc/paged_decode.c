@@ -34,8 +34,7 @@
 #define MAX_GROUPS 64
 #define MAX_GROUP_DIM 4096 /* query heads per kv head x head_dim the stack buffers hold */
 
-typedef float (*load1_fn)(const void *, int64_t);
-typedef void (*store1_fn)(void *, int64_t, float);
+typedef void (*store8_fn)(void *, int64_t, __m256);
 
 /* Online softmax over one chunk's scores of one query head: s[j] becomes exp(s[j] - m) for the new running
  * max m, and shrink the factor exp(old max - m) by which the running output and sum scale down. Whole vectors
@@ -103,7 +102,7 @@ static inline __attribute__((always_inline)) void decode_pair(
     int64_t pair, const void *q, const void *k_cache, const void *v_cache, const int32_t *pos_cache,
     const int64_t *tables, const int32_t *kv_lens, const int64_t *q_pos, void *out, int64_t num_q_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale, int64_t window,
-    float softcap, int64_t elem, int mode, prefetcher *pf, load8_fn load8, load1_fn load1, store1_fn store1) {
+    float softcap, int64_t elem, int mode, prefetcher *pf, load8_fn load8, store8_fn store8) {
     (void)elem; /* read by the sixteen-lane loops only */
     const int64_t groups = num_q_heads / num_kv_heads;
     const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
@@ -112,11 +111,11 @@ static inline __attribute__((always_inline)) void decode_pair(
     const int64_t q0 = (b * num_q_heads + h * groups) * head_dim;
     float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM], run_max[MAX_GROUPS], run_sum[MAX_GROUPS];
     float shrink[MAX_GROUPS], scores[MAX_GROUPS * CHUNK];
-    int64_t rows[CHUNK]; /* where each kept entry's row starts in the caches, in elements */
-    for (int64_t i = 0; i < groups * head_dim; i++) {
-        qf[i] = load1(q, q0 + i) * scale;
-        acc[i] = 0.f;
-    }
+    int64_t rows[CHUNK + 8]; /* where each kept entry's row starts in the caches, in elements (+ 8: the vector
+                              * stores below write whole vectors past the last kept entry) */
+    for (int64_t i = 0; i < groups * head_dim; i += 8) /* head_dim % 8 == 0 */
+        _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(q, q0 + i), _mm256_set1_ps(scale)));
+    memset(acc, 0, (size_t)(groups * head_dim) * sizeof(float));
     for (int64_t g = 0; g < groups; g++) { run_max[g] = -INFINITY; run_sum[g] = 0.f; }
     for (int64_t start = 0; start < len;) {
         int64_t kept = 0;
@@ -125,10 +124,31 @@ static inline __attribute__((always_inline)) void decode_pair(
             const int64_t blk = table[start / block_size];
             const int64_t n = len - start < block_size ? len - start : block_size;
             const int32_t *pos = pos_cache + blk * block_size;
+#ifdef __AVX512F__
+            /* sixteen entries a compare; the visible ones' rows packed to the front of a vector (compressing in
+             * registers: to memory it is microcoded on AMD) */
+            const __m512i q_at = _mm512_set1_epi32((int32_t)qp);
+            const __m512i after = _mm512_set1_epi32(window > 0 ? (int32_t)(qp - window) : INT32_MIN);
+            const int64_t d = head_dim;
+            const __m512i first8 = _mm512_set_epi64(7 * d, 6 * d, 5 * d, 4 * d, 3 * d, 2 * d, d, 0);
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 in = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                const __m512i p = _mm512_maskz_loadu_epi32(in, pos + j);
+                const __mmask16 vis = _mm512_mask_cmple_epi32_mask(in, p, q_at) & _mm512_cmpgt_epi32_mask(p, after);
+                const __m512i r = _mm512_add_epi64(first8, _mm512_set1_epi64((blk * block_size + j) * head_dim));
+                _mm512_storeu_si512(rows + kept, _mm512_maskz_compress_epi64((__mmask8)vis, r));
+                kept += __builtin_popcount(vis & 0xffu);
+                _mm512_storeu_si512(rows + kept, _mm512_maskz_compress_epi64(
+                                                     (__mmask8)(vis >> 8),
+                                                     _mm512_add_epi64(r, _mm512_set1_epi64(8 * head_dim))));
+                kept += __builtin_popcount(vis >> 8);
+            }
+#else
             for (int64_t j = 0; j < n; j++) { /* branch-free: kept only moves on for a visible entry */
                 rows[kept] = (blk * block_size + j) * head_dim;
                 kept += pos[j] <= qp && (window <= 0 || pos[j] > qp - window);
             }
+#endif
             seen += block_size;
         }
         pf_advance(pf, seen - kept); /* the value loop moves the prefetcher on only for the entries it reads */
@@ -152,18 +172,32 @@ static inline __attribute__((always_inline)) void decode_pair(
 #endif
         if (mode == LANES8) values(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups, load8);
     }
-    for (int64_t g = 0; g < groups; g++) {
-        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-        for (int64_t d = 0; d < head_dim; d++) {
-            const float a = acc[g * head_dim + (mode == PAIRS ? acc_index(d) : d)];
-            store1(out, q0 + g * head_dim + d, a * inv);
+    for (int64_t g = 0; g < groups; g++) { /* out = acc / sum, eight channels a store */
+        const __m256 inv = _mm256_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
+        const float *a = acc + g * head_dim;
+        const int64_t at = q0 + g * head_dim;
+#ifdef __AVX512F__
+        if (mode == PAIRS) { /* each 32 channels back in order from their 16 even and 16 odd ones */
+            const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                const __m512 even = _mm512_loadu_ps(a + d), odd = _mm512_loadu_ps(a + d + 16);
+                const __m512 lo = _mm512_permutex2var_ps(even, low, odd), hi = _mm512_permutex2var_ps(even, high, odd);
+                store8(out, at + d, _mm256_mul_ps(_mm512_castps512_ps256(lo), inv));
+                store8(out, at + d + 8, _mm256_mul_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1)), inv));
+                store8(out, at + d + 16, _mm256_mul_ps(_mm512_castps512_ps256(hi), inv));
+                store8(out, at + d + 24, _mm256_mul_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hi), 1)), inv));
+            }
+            continue;
         }
+#endif
+        for (int64_t d = 0; d < head_dim; d += 8) store8(out, at + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), inv));
     }
 }
 
 /* Pairs are dealt round robin (thread t takes t, t + T, ...), so each thread's prefetcher knows which blocks it
  * reads next; it starts LEAD entries ahead of the thread's first pair. */
-#define DECODE_PAIRS(ELEM, MODE, LOAD8, LOAD1, STORE1)                                                          \
+#define DECODE_PAIRS(ELEM, MODE, LOAD8, STORE8)                                                          \
     _Pragma("omp parallel num_threads(threads > 0 ? threads : 1)")                                            \
     {                                                                                                         \
         const int64_t t = omp_get_thread_num(), team = omp_get_num_threads(), pairs = batch * num_kv_heads;   \
@@ -174,20 +208,20 @@ static inline __attribute__((always_inline)) void decode_pair(
         for (int64_t pair = t; pair < pairs; pair += team)                                                    \
             decode_pair(pair, q, k_cache, v_cache, pos_cache, tables, kv_lens, q_pos, out, num_q_heads,       \
                         num_kv_heads, head_dim, block_size, width, scale, window, softcap, ELEM, MODE, &pf,   \
-                        LOAD8, LOAD1, STORE1);                                                                \
+                        LOAD8, STORE8);                                                                \
     }
 
 #ifdef __AVX512F__
-#define DECODE_ALL(ELEM, LOAD8, LOAD1, STORE1)                                                                   \
+#define DECODE_ALL(ELEM, LOAD8, STORE8)                                                                   \
     if (ELEM == 2 && head_dim % 32 == 0) {                                                                    \
-        DECODE_PAIRS(ELEM, PAIRS, LOAD8, LOAD1, STORE1)                                                       \
+        DECODE_PAIRS(ELEM, PAIRS, LOAD8, STORE8)                                                       \
     } else if (head_dim % 16 == 0) {                                                                          \
-        DECODE_PAIRS(ELEM, LANES16, LOAD8, LOAD1, STORE1)                                                     \
+        DECODE_PAIRS(ELEM, LANES16, LOAD8, STORE8)                                                     \
     } else {                                                                                                  \
-        DECODE_PAIRS(ELEM, LANES8, LOAD8, LOAD1, STORE1)                                                      \
+        DECODE_PAIRS(ELEM, LANES8, LOAD8, STORE8)                                                      \
     }
 #else
-#define DECODE_ALL(ELEM, LOAD8, LOAD1, STORE1) do { DECODE_PAIRS(ELEM, LANES8, LOAD8, LOAD1, STORE1) } while (0)
+#define DECODE_ALL(ELEM, LOAD8, STORE8) do { DECODE_PAIRS(ELEM, LANES8, LOAD8, STORE8) } while (0)
 #endif
 
 /* q [B, Hq, D]; k_cache, v_cache [NB, BS, D]; pos_cache [NB, BS] int32; tables [B, Hkv, W] int64;
@@ -199,7 +233,7 @@ void hearth_paged_decode_f32(const float *q, const float *k_cache, const float *
                              int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t width, float scale, int64_t window, float softcap,
                              int64_t threads) {
-    DECODE_ALL(4, load8_f32, load1_f32, store1_f32);
+    DECODE_ALL(4, load8_f32, store8_f32);
 }
 
 void hearth_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -207,5 +241,5 @@ void hearth_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
                               const int64_t *q_pos, uint16_t *out, int64_t batch, int64_t num_q_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale,
                               int64_t window, float softcap, int64_t threads) {
-    DECODE_ALL(2, load8_bf16, load1_bf16, store1_bf16);
+    DECODE_ALL(2, load8_bf16, store8_bf16);
 }

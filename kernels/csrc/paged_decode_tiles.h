@@ -15,10 +15,6 @@
 #define TILE_GROUPS 3
 #define TILE_VECS 4
 
-/* Where channel d of a head sits in its accumulators in PAIRS mode (below): each 32 channels as 16 even, then 16
- * odd ones. */
-static inline int64_t acc_index(int64_t d) { return (d & ~(int64_t)31) + ((d & 1) << 4) + ((d & 31) >> 1); }
-
 /* Lane i of the result is the sum of v[i]'s eight lanes. */
 static inline __m256 hsum8(const __m256 *v) {
     __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -34,23 +30,11 @@ static inline __m256 load8_bf16(const void *p, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline float load1_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
-
-static inline float load1_bf16(const void *p, int64_t i) {
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline void store1_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
+static inline void store8_f32(void *p, int64_t i, __m256 v) { _mm256_storeu_ps((float *)p + i, v); }
 
 /* fp32 -> bf16, round to nearest even (as torch's .to(bfloat16)); NaN stays NaN. */
-static inline void store1_bf16(void *p, int64_t i, float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
-                                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+static inline void store8_bf16(void *p, int64_t i, __m256 v) {
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), narrow8_bf16(v));
 }
 
 /* Software prefetch that keeps pace with the arithmetic. Blocks lie scattered over the pool, so the hardware
@@ -276,7 +260,7 @@ static inline __attribute__((always_inline)) void scores16(const float *qf, cons
 /* bf16 pools with head_dim % 32 == 0 (PAIRS mode): one 512-bit load holds 32 entries of a row.
  * Values: the even entries widen with one shift and the odd ones with one mask (no widening shuffle), so
  * the accumulators hold each 32 channels as 16 even then 16 odd ones; the output is put back in order once at the
- * end (acc_index, below). */
+ * end (decode_pair in paged_decode.c). */
 
 static inline __attribute__((always_inline)) void value_tile_pairs(float *acc, const float *scores,
                                                                     const float *shrink, const uint16_t *vc,
