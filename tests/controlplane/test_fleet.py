@@ -213,9 +213,15 @@ def test_a_batch_finishes_exactly_once_when_a_replica_dies(fleet, live, batch_wo
     while client.batches.retrieve(batch.id).status != "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    time.sleep(1.0)
-    fleet.client.refresh_metrics()
-    busiest = max((m.running, replica) for model, replica, m in fleet.replica_metrics() if model == CHAT_MODEL)
+    # Kill the busiest replica while it is running items (polled, not after a fixed wait: a fast engine may have
+    # finished them all by then, and then nothing is lost mid-item).
+    while True:
+        fleet.client.refresh_metrics()
+        busiest = max((m.running, replica) for model, replica, m in fleet.replica_metrics() if model == CHAT_MODEL)
+        if busiest[0] > 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     caplog.set_level("WARNING", logger="fleet.client")
     kill(busiest[1])
     deadline = time.monotonic() + 180
