@@ -134,7 +134,8 @@ static inline __attribute__((always_inline)) void decode_pair(
             for (int64_t j = 0; j < n; j += 16) {
                 const __mmask16 in = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
                 const __m512i p = _mm512_maskz_loadu_epi32(in, pos + j);
-                const __mmask16 vis = _mm512_mask_cmple_epi32_mask(in, p, q_at) & _mm512_cmpgt_epi32_mask(p, after);
+                const __mmask16 vis =
+                    _mm512_mask_cmple_epi32_mask(in, p, q_at) & _mm512_cmpgt_epi32_mask(p, after);
                 const __m512i r = _mm512_add_epi64(first8, _mm512_set1_epi64((blk * block_size + j) * head_dim));
                 _mm512_storeu_si512(rows + kept, _mm512_maskz_compress_epi64((__mmask8)vis, r));
                 kept += __builtin_popcount(vis & 0xffu);
@@ -182,11 +183,14 @@ static inline __attribute__((always_inline)) void decode_pair(
             const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
             for (int64_t d = 0; d < head_dim; d += 32) {
                 const __m512 even = _mm512_loadu_ps(a + d), odd = _mm512_loadu_ps(a + d + 16);
-                const __m512 lo = _mm512_permutex2var_ps(even, low, odd), hi = _mm512_permutex2var_ps(even, high, odd);
-                store8(out, at + d, _mm256_mul_ps(_mm512_castps512_ps256(lo), inv));
-                store8(out, at + d + 8, _mm256_mul_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1)), inv));
-                store8(out, at + d + 16, _mm256_mul_ps(_mm512_castps512_ps256(hi), inv));
-                store8(out, at + d + 24, _mm256_mul_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hi), 1)), inv));
+                const __m512 part[2] = {_mm512_permutex2var_ps(even, low, odd),
+                                        _mm512_permutex2var_ps(even, high, odd)};
+                for (int i = 0; i < 2; i++) {
+                    const __m256 first = _mm512_castps512_ps256(part[i]);
+                    const __m256 second = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(part[i]), 1));
+                    store8(out, at + d + 16 * i, _mm256_mul_ps(first, inv));
+                    store8(out, at + d + 16 * i + 8, _mm256_mul_ps(second, inv));
+                }
             }
             continue;
         }
