@@ -64,7 +64,8 @@ static inline __attribute__((always_inline)) void step(int kind, int M, vec acc[
     }
 }
 
-/* Lines of a block to fetch into L2 ahead of its use, `lines` (1 or 2) a step until `end`; lines 0: none. */
+/* Lines of a block to fetch into cache ahead of its use, `lines` (1 or 2) a step until `end`; lines 0: none. (T0:
+ * into L1 as well, which measured 1-10% ahead of L2 alone at 24-96 rows of bf16.) */
 typedef struct {
     const char *at, *end;
     int64_t lines;
@@ -171,8 +172,8 @@ static inline __attribute__((always_inline)) void block_rows(int kind, const voi
         const int64_t later = tiles > 1 ? (tiles - 1) * steps : steps, per = (lines + later - 1) / later;
         pf = (prefetch){(const char *)next, (const char *)next + lines * 64, per > 1 ? 2 : 1};
     }
+    const int64_t even = m % MR == 0 || m % MR > MR / 2;
     for (int64_t t = 0, r = 0; t < tiles; t++) {
-        const int64_t even = m % MR == 0 || m % MR > MR / 2;
         const int64_t rows = even ? m / tiles + (t < m % tiles) : t < tiles - 1 ? MR : m % MR;
         tile_of(kind, rows, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * size, n, width,
                 t == 0 && tiles > 1 ? &none : &pf);
