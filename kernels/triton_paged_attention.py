@@ -20,7 +20,9 @@ except ImportError:  # the CPU install has no Triton; the engine uses the torch 
     triton = None
     tl = None
 
-NEG_INF = float("-inf")
+# Compiled Triton reads module globals only when they are constexpr (the interpreter reads any, so tests on CPU
+# cannot tell; tests/kernels/test_triton_globals.py checks every kernel's globals instead).
+NEG_INF = tl.constexpr(float("-inf")) if tl is not None else float("-inf")
 
 
 def available() -> bool:
