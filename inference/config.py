@@ -121,6 +121,10 @@ class EngineConfig:
             raise InvalidRequestError("max_model_len must be at least 2")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "int8" and self.resolved_device().type != "cpu":
+            # The int8 products are CPU kernels (kernels/cpu_int8); on a card the weights would never reach them.
+            raise InvalidRequestError("quantization 'int8' runs on the CPU only; use quantization 'none' on "
+                                      f"{self.resolved_device()}")
         if self.speculation not in ("off", "ngram", "draft"):
             raise InvalidRequestError(f"speculation must be off, ngram or draft, got {self.speculation!r}")
         if self.speculation == "draft" and not self.draft_model:

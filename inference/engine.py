@@ -471,10 +471,11 @@ class LLMEngine:
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None,
                       lora: LoRARequest | None = None) -> torch.Tensor:
-        """Next-token logits at every position of token_ids, fp32 [T, vocab], through the paged cache.
+        """Next-token logits at every position of token_ids, fp32 [T, vocab] on the host, through the paged cache.
 
         The prompt is computed in chunks of chunk_size tokens (default: the step token budget), exactly as
-        chunked prefill runs it. For evaluation and tests; call it while the engine is otherwise idle.
+        chunked prefill runs it. For evaluation and tests; call it while the engine is otherwise idle. The
+        result is on the CPU wherever the engine runs, so callers compare it with references computed there.
         """
         request = GenerationRequest(prompt_token_ids=list(token_ids), params=SamplingParams(max_tokens=1),
                                     lora=lora)
@@ -501,7 +502,7 @@ class LLMEngine:
             self.blocks.free(seq.blocks)
             if seq.lora_slot is not None:
                 self.lora.release(seq.lora_slot)  # type: ignore[union-attr]
-        return torch.cat(pieces)
+        return torch.cat(pieces).cpu()
 
     # ----------------------------------------------------------------- metrics
     def metrics(self) -> EngineMetrics:

@@ -42,7 +42,7 @@ def _outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]
 def test_one_call_layers_give_the_python_forward_results(isa: str, tiny_models: dict[str, Path], arch: str,
                                                           dtype: str, quantization: str) -> None:
     # No prefix caching: the second run's prompts would start from the first run's cached blocks.
-    llm = LLM(tiny_models[arch], EngineConfig(dtype=dtype, quantization=quantization, kv_cache_memory="16MiB",
+    llm = LLM(tiny_models[arch], EngineConfig(device="cpu", dtype=dtype, quantization=quantization, kv_cache_memory="16MiB",
                                               block_size=8, enable_prefix_caching=False))
     model = llm.engine.runner.model
     stack = model.decode_stack
@@ -67,7 +67,7 @@ def test_one_call_layers_give_the_python_forward_results(isa: str, tiny_models: 
 def test_prompt_passes_and_many_rows_off_the_gemm_keep_the_python_forward(
         tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HEARTH_CPU_GEMM", "off")  # products of many rows on oneDNN, as bf16 on AVX2 builds
-    llm = LLM(tiny_models["llama"], EngineConfig(dtype="bfloat16", kv_cache_memory="16MiB", block_size=8))
+    llm = LLM(tiny_models["llama"], EngineConfig(device="cpu", dtype="bfloat16", kv_cache_memory="16MiB", block_size=8))
     model = llm.engine.runner.model
     assert not model.decode_stack.many_rows
     rows: list[int] = []
@@ -80,12 +80,12 @@ def test_prompt_passes_and_many_rows_off_the_gemm_keep_the_python_forward(
 
 def test_models_outside_its_shape_keep_the_python_forward(tmp_path: Path) -> None:
     # Gemma's extra norms around each sublayer are not part of the one-call layer.
-    llm = LLM(build_tiny_model("gemma3_text", tmp_path / "gemma"), EngineConfig(dtype="float32",
+    llm = LLM(build_tiny_model("gemma3_text", tmp_path / "gemma"), EngineConfig(device="cpu", dtype="float32",
                                                                                 kv_cache_memory="16MiB"))
     assert llm.engine.runner.model.decode_stack is None
 
 
 def test_switch_off_keeps_the_python_forward(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HEARTH_CPU_DECODE_LAYER", "off")
-    llm = LLM(tiny_models["llama"], EngineConfig(dtype="float32", kv_cache_memory="16MiB"))
+    llm = LLM(tiny_models["llama"], EngineConfig(device="cpu", dtype="float32", kv_cache_memory="16MiB"))
     assert llm.engine.runner.model.decode_stack is None

@@ -19,6 +19,7 @@ def model(tiny_llama) -> DecoderLM:
 def _reference(model: DecoderLM, hidden: torch.Tensor, allowed: torch.Tensor) -> tuple[int, float]:
     logits = model.logits(hidden[None])[0]
     masked = torch.full_like(logits, float("-inf"))
+    allowed = allowed.to(logits.device)
     masked[allowed] = logits[allowed]
     probs = torch.softmax(masked, dim=-1)
     best = int(masked.argmax())
@@ -38,7 +39,7 @@ def test_choice_matches_the_masked_full_head(model: DecoderLM, common: int) -> N
         vocabs.append(vocab)
         allowed.append(torch.tensor(sorted(set(range(min(common, model.vocab_size))) | set(seen)), dtype=torch.long))
     # Scale the hidden rows up so the argmax is not decided by rounding between near-equal logits.
-    hidden = torch.randn(4, model.hidden_size, generator=generator) * 4
+    hidden = (torch.randn(4, model.hidden_size, generator=generator) * 4).to(model.device)
     choice = head.choose(hidden, vocabs)
     for row in range(4):
         token, probability = _reference(model, hidden[row], allowed[row])

@@ -62,7 +62,7 @@ def test_chunks_after_a_cached_start_take_the_cpu_prompt_kernel(tiny_llama, refe
     kernel = cpa.prefill_attention
     monkeypatch.setattr(cpa, "prefill_attention",
                         lambda q, *args, **kwargs: (chunks.append(q.shape[0]), kernel(q, *args, **kwargs))[1])
-    llm = _llm(tiny_llama, max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = _llm(tiny_llama, device="cpu", max_num_batched_tokens=16, enable_prefix_caching=False)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert chunks, "the longest prompt took several chunks"
 

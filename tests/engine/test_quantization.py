@@ -37,7 +37,7 @@ def _dequantized_reference(path: Path) -> AutoModelForCausalLM:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
 def test_int8_engine_matches_transformers_on_the_dequantized_weights(arch: str, tmp_path: Path) -> None:
     path = build_tiny_model(arch, tmp_path / arch, seed=11)
-    llm = LLM(path, EngineConfig(dtype="float32", kv_cache_memory="32MiB", quantization="int8"))
+    llm = LLM(path, EngineConfig(device="cpu", dtype="float32", kv_cache_memory="32MiB", quantization="int8"))
     assert all(layer.qkv.weight.packed.dtype == torch.int8 for layer in llm.engine.model.layers)
     reference = _dequantized_reference(path)
     _check_logits(llm, reference, PROMPTS[:3], chunk_sizes=(None, 7))  # prefill: many rows per product
@@ -47,6 +47,8 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(arch: str, 
 def test_quantization_setting_is_checked() -> None:
     with pytest.raises(InvalidRequestError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
+    with pytest.raises(InvalidRequestError, match="CPU only"):  # its products are CPU kernels
+        EngineConfig(device="cuda", quantization="int8")
 
 
 def test_quality_eval_compares_variants_with_fp32(tiny_llama: Path) -> None:
