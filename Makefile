@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HEARTH_DATA_DIR ?= $(CURDIR)/.data
 
-.PHONY: install models models-extra run cluster test test-full bench lint clean
+.PHONY: install models models-extra run cluster test test-full bench gpu-pack lint clean
 
 $(VENV)/.installed: pyproject.toml requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,6 +49,17 @@ test-full: models
 
 bench: models
 	$(PY) -m benchmarks.run
+
+# What a lent CUDA machine needs from here (benchmarks/gpu.sh): the wheels the engine needs beyond that machine's
+# Python (3.12, with torch, Triton and transformers) and the models' files minus their weights. Carry `.gpu`.
+GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection pytest-asyncio
+gpu-pack: models
+	rm -rf .gpu && mkdir -p .gpu/whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .gpu/whl $(GPU_WHEELS)
+	$(PY) -m benchmarks.random_models pack .gpu/models @hearth/smollm2-135m-instruct \
+		@hearth/qwen2.5-coder-0.5b-instruct
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,13 +1,17 @@
 """Engine benchmark (issue: engine core), side by side with Hugging Face transformers in one run.
 
     python -m benchmarks.engine            # prints a markdown table; benchmarks.run writes docs/benchmarks.md
+    python -m benchmarks.engine --model @hearth/qwen2.5-coder-0.5b-instruct --concurrent 32 256   (on CUDA too)
 
 1. Single-stream decode of 128 tokens: Hearth vs transformers.generate, and the physical ceiling (weight bytes
    read per token over measured memory bandwidth).
-2. 32 concurrent requests (prompts 50-500 tokens, 128 output tokens): Hearth total throughput vs transformers
-   batched generate (left padding) and vs transformers one request at a time.
+2. 32 concurrent requests (prompts 50-500 tokens, 128 output tokens; more counts with --concurrent): Hearth total
+   throughput vs transformers batched generate (left padding) and vs transformers one request at a time.
 3. Shared 1,500-token prefix: time to first token of the second request vs the first; throughput of a
    0%-hit workload with prefix caching on vs off.
+
+The engine runs where `EngineConfig` puts it (CUDA when there is one, in bf16) and transformers runs on the same
+device in the same dtype. On CUDA the pool and batch limits are sized for the card and 256 concurrent requests.
 """
 
 from __future__ import annotations
@@ -21,10 +25,19 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.workloads import concurrent_prompts, text_of_tokens
-from inference import LLM, EngineConfig, SamplingParams
+from inference import LLM, EngineConfig, FinishReason, RequestOutput, SamplingParams
 from inference.models.catalog import DEFAULT_MODEL, model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def generated(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The outputs, or an error naming the first request that failed: a benchmark must never time failures (the
+    engine answers a failed request at once, so a broken kernel would read as a fast one)."""
+    for out in outputs:
+        if out.finish_reason == FinishReason.ERROR:
+            raise RuntimeError(f"request {out.request_id} failed inside the engine: {out.error}")
+    return outputs
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -37,12 +50,25 @@ def median_time(fn: Callable[[], object], runs: int) -> float:
     return statistics.median(_timed(fn) for _ in range(runs))
 
 
-def memory_bandwidth_gbs(megabytes: int = 512) -> float:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_bandwidth_gbs(megabytes: int = 512, device: torch.device | str = "cpu") -> float:
     """Copy bandwidth counting bytes read plus written, the same way a decode step streams weights."""
-    src = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32).normal_()
+    device = torch.device(device)
+    if device.type == "cuda":
+        megabytes *= 8  # far past the card's L2, so the copy measures its memory
+    src = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = median_time(lambda: dst.copy_(src), 7)
+
+    def copy() -> None:
+        dst.copy_(src)
+        _synchronize(device)
+
+    seconds = median_time(copy, 7)
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
@@ -60,59 +86,81 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return total
 
 
-def _hf_model(dtype: torch.dtype):
+def where_label(llm: LLM) -> str:
+    """How a figure's machine is named beside it: the CPU threads, or the card."""
+    device = llm.engine.model.device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+
+
+def _hf_model(model: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path(model), dtype=dtype).to(device).eval()
 
 
 def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> None:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     with torch.inference_mode():
         hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                     do_sample=False, pad_token_id=pad_id)
+    _synchronize(hf.device)
 
 
-def run(quick: bool = False) -> dict:
+def _config(device: str, **overrides: object) -> EngineConfig:
+    """CPU: the sizes the CPU figures were always taken with. CUDA: room for 256 concurrent requests of up to
+    628 tokens (SmolLM2's cache is 23 KB a token) and prompt chunks that fill the card."""
+    sizes = (dict(kv_cache_memory="8GiB", max_num_seqs=256, max_num_batched_tokens=8192) if device == "cuda"
+             else dict(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048))
+    return EngineConfig(**{**sizes, **overrides})
+
+
+def run(quick: bool = False, model: str = DEFAULT_MODEL, concurrent: tuple[int, ...] = (32,),
+        runs: int | None = None) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    runs = 1 if quick else 3
+    runs = runs or (1 if quick else 3)
     new_tokens = 32 if quick else 128
-    config = EngineConfig(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048)
-    llm = LLM(DEFAULT_MODEL, config)
-    dtype = llm.engine.model.dtype
+    device = EngineConfig().resolved_device().type
+    llm = LLM(model, _config(device))
+    dtype, where = llm.engine.model.dtype, llm.engine.model.device
     tok = llm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    results: dict = {"model": DEFAULT_MODEL, "dtype": str(dtype).removeprefix("torch."),
-                     "threads": torch.get_num_threads(), "new_tokens": new_tokens}
+    results: dict = {"model": model, "dtype": str(dtype).removeprefix("torch."), "new_tokens": new_tokens,
+                     "where": where_label(llm), "threads": torch.get_num_threads()}
 
     # 1. Single stream.
     prompt = llm.encode("Write a long story about a dragon who learns to cook.")
-    llm.generate_ids([prompt], greedy)  # warm up
-    hearth_single = new_tokens / median_time(lambda: llm.generate_ids([prompt], greedy), runs)
-    hf = _hf_model(dtype)
+    generated(llm.generate_ids([prompt], greedy))  # warm up
+    hearth_single = new_tokens / median_time(lambda: generated(llm.generate_ids([prompt], greedy)), runs)
+    hf = _hf_model(model, dtype, where)
     _hf_generate(hf, [prompt], 4, pad)
     hf_single = new_tokens / median_time(lambda: _hf_generate(hf, [prompt], new_tokens, pad), runs)
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = memory_bandwidth_gbs(device=where)
     weights = weight_bytes_per_token(llm)
     ceiling = bandwidth * 1e9 / weights
     results["single"] = {"hearth_tok_s": hearth_single, "hf_tok_s": hf_single, "ratio": hearth_single / hf_single,
                          "bandwidth_gbs": bandwidth, "weight_mb": weights / 1e6, "ceiling_tok_s": ceiling,
                          "share_of_ceiling": hearth_single / ceiling}
 
-    # 2. 32 concurrent requests.
-    prompts = concurrent_prompts(tok, count=8 if quick else 32)
-    total_out = len(prompts) * new_tokens
-    hearth_batch = total_out / median_time(lambda: llm.generate_ids(prompts, greedy), runs)
-    hf_batched = total_out / median_time(lambda: _hf_generate(hf, prompts, new_tokens, pad), 1)
-    sequential = prompts[:2 if quick else 4]
-    hf_serial = len(sequential) * new_tokens / _timed(
-        lambda: [_hf_generate(hf, [p], new_tokens, pad) for p in sequential])
-    results["concurrent"] = {"requests": len(prompts), "hearth_tok_s": hearth_batch, "hf_batched_tok_s": hf_batched,
-                             "hf_serial_tok_s": hf_serial, "vs_batched": hearth_batch / hf_batched,
-                             "vs_serial": hearth_batch / hf_serial}
+    # 2. Concurrent requests.
+    results["concurrent"] = []
+    for count in concurrent:
+        prompts = concurrent_prompts(tok, count=8 if quick else count)
+        total_out = len(prompts) * new_tokens
+        generated(llm.generate_ids(prompts[:8], greedy))  # warm up this batch size's shapes
+        hearth_batch = total_out / median_time(lambda p=prompts: generated(llm.generate_ids(p, greedy)), runs)
+        _hf_generate(hf, prompts, 4, pad)
+        hf_batched = total_out / median_time(lambda p=prompts: _hf_generate(hf, p, new_tokens, pad), 1)
+        row = {"requests": len(prompts), "hearth_tok_s": hearth_batch, "hf_batched_tok_s": hf_batched,
+               "vs_batched": hearth_batch / hf_batched}
+        if not results["concurrent"]:  # one-at-a-time transformers once: it is the slowest thing here
+            sequential = prompts[:2 if quick else 4]
+            hf_serial = len(sequential) * new_tokens / _timed(
+                lambda s=sequential: [_hf_generate(hf, [p], new_tokens, pad) for p in s])
+            row |= {"hf_serial_tok_s": hf_serial, "vs_serial": hearth_batch / hf_serial}
+        results["concurrent"].append(row)
     hf = None  # free its weights before the prefix-cache runs
     gc.collect()
 
@@ -124,23 +172,21 @@ def run(quick: bool = False) -> dict:
         llm.engine.blocks.reset_prefix_cache()
         q1 = text_of_tokens(tok, 20, seed=100 + trial)
         q2 = text_of_tokens(tok, 20, seed=200 + trial)
-        cold.append(_timed(lambda q=q1: llm.generate_ids([prefix + q], first_token)))
-        warm.append(_timed(lambda q=q2: llm.generate_ids([prefix + q], first_token)))
+        cold.append(_timed(lambda q=q1: generated(llm.generate_ids([prefix + q], first_token))))
+        warm.append(_timed(lambda q=q2: generated(llm.generate_ids([prefix + q], first_token))))
     ttft_cold, ttft_warm = statistics.median(cold), statistics.median(warm)
 
     miss_prompts = concurrent_prompts(tok, count=8 if quick else 32, seed=7)
     short = SamplingParams(max_tokens=new_tokens // 2, temperature=0.0, ignore_eos=True)
     off = LLM.__new__(LLM)
-    off_engine_config = EngineConfig(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
-                                     enable_prefix_caching=False)
     from inference.engine import LLMEngine
 
-    off.engine = LLMEngine(llm.engine.loaded, off_engine_config)
+    off.engine = LLMEngine(llm.engine.loaded, _config(device, enable_prefix_caching=False))
     on_times, off_times = [], []
     for _ in range(runs + 2):  # alternate so drift on a shared machine hits both alike
         llm.engine.blocks.reset_prefix_cache()
-        on_times.append(_timed(lambda: llm.generate_ids(miss_prompts, short)))
-        off_times.append(_timed(lambda: off.generate_ids(miss_prompts, short)))
+        on_times.append(_timed(lambda: generated(llm.generate_ids(miss_prompts, short))))
+        off_times.append(_timed(lambda: generated(off.generate_ids(miss_prompts, short))))
     miss_tokens = len(miss_prompts) * short.max_tokens
     on_rate, off_rate = miss_tokens / statistics.median(on_times), miss_tokens / statistics.median(off_times)
     results["prefix"] = {"prefix_tokens": len(prefix), "ttft_cold_s": ttft_cold, "ttft_warm_s": ttft_warm,
@@ -150,9 +196,11 @@ def run(quick: bool = False) -> dict:
 
 
 def markdown(r: dict) -> str:
-    s, c, p = r["single"], r["concurrent"], r["prefix"]
-    return "\n".join([
-        f"Model `{r['model']}`, {r['dtype']}, {r['threads']} threads, greedy, {r['new_tokens']} output tokens.",
+    s, p = r["single"], r["prefix"]
+    where = r.get("where", f"{r['threads']} threads")
+    where += "" if where.endswith("threads") else ", transformers on the same card"
+    lines = [
+        f"Model `{r['model']}`, {r['dtype']}, {where}, greedy, {r['new_tokens']} output tokens.",
         "",
         "| benchmark | Hearth | peer | ratio | goal |",
         "| --- | --- | --- | --- | --- |",
@@ -160,18 +208,33 @@ def markdown(r: dict) -> str:
         f"| {s['ratio']:.2f}× | ≥ 1.5× |",
         f"| physical ceiling (tok/s) | {s['hearth_tok_s']:.1f} | {s['weight_mb']:.0f} MB of weights per token / "
         f"{s['bandwidth_gbs']:.1f} GB/s = {s['ceiling_tok_s']:.1f} | {s['share_of_ceiling']:.0%} of ceiling | — |",
-        f"| {c['requests']} concurrent requests (tok/s) | {c['hearth_tok_s']:.1f} | transformers batched "
-        f"{c['hf_batched_tok_s']:.1f} | {c['vs_batched']:.2f}× | ≥ 1.5× |",
-        f"| {c['requests']} concurrent requests (tok/s) | {c['hearth_tok_s']:.1f} | transformers one at a time "
-        f"{c['hf_serial_tok_s']:.1f} | {c['vs_serial']:.2f}× | ≥ 8× |",
+    ]
+    for c in r["concurrent"] if isinstance(r["concurrent"], list) else [r["concurrent"]]:
+        lines.append(f"| {c['requests']} concurrent requests (tok/s) | {c['hearth_tok_s']:.1f} | transformers "
+                     f"batched {c['hf_batched_tok_s']:.1f} | {c['vs_batched']:.2f}× | ≥ 1.5× |")
+        if "hf_serial_tok_s" in c:
+            lines.append(f"| {c['requests']} concurrent requests (tok/s) | {c['hearth_tok_s']:.1f} | transformers "
+                         f"one at a time {c['hf_serial_tok_s']:.1f} | {c['vs_serial']:.2f}× | ≥ 8× |")
+    lines += [
         f"| TTFT, shared {p['prefix_tokens']}-token prefix (s) | 2nd request {p['ttft_warm_s']:.3f} | "
         f"1st request {p['ttft_cold_s']:.3f} | {p['ttft_speedup']:.1f}× lower | ≥ 5× |",
         f"| 0%-hit workload, caching on vs off (tok/s) | {p['miss_on_tok_s']:.1f} | {p['miss_off_tok_s']:.1f} "
         f"| {p['miss_ratio']:.3f}× | ≥ 0.97× |",
-    ])
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--concurrent", type=int, nargs="+", default=[32])
+    parser.add_argument("--runs", type=int)
+    args = parser.parse_args()
+    print(markdown(run(args.quick, args.model, tuple(args.concurrent), args.runs)))
 
 
 if __name__ == "__main__":
-    import sys
-
-    print(markdown(run(quick="--quick" in sys.argv)))
+    main()

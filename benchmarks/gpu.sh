@@ -1,12 +1,64 @@
 #!/usr/bin/env bash
-# One call on a lent CUDA machine whose Python has torch and Triton but not Hearth's other dependencies:
-# the kernel tests compiled for the GPU, then each kernel timed against its torch reference.
-#   bash benchmarks/gpu.sh        (writes kernels-tests.log and kernels.md under $OUT when set)
-set -euo pipefail
+# Hearth on a lent CUDA machine in one call. Its Python has torch, Triton and transformers but not Hearth's other
+# dependencies; nothing can be fetched there and only 64 MiB of the working tree travel. So `make gpu-pack` fills
+# .gpu/ here first (the few wheels the engine needs beyond that Python, and each model's files minus its weights)
+# and the call carries `.gpu`; the models get random weights there (benchmarks/random_models.py).
+#
+#   bash benchmarks/gpu.sh [STEP ...]      default: tests kernels engine
+#     tests    the Triton kernel tests and tests/engine on CUDA (tiny random models against transformers)
+#     kernels  python -m benchmarks.kernels (bandwidth against a copy measured in the same run)
+#     engine   python -m benchmarks.engine --concurrent 32 256 (SmolLM2-135M; `qwen`: Qwen2.5-Coder-0.5B)
+#     kv       python -m benchmarks.kv --throughput-only --quick (1x, 8x, 64x at a fixed KV pool)
+#     spec     python -m benchmarks.speculation --step-grid (step time, 1-64 sequences x 0-8 drafts)
+#     lora     python -m benchmarks.lora (32 requests over 8 adapters against the base model)
+#
+# Each step runs under its own time limit, so one that hangs cannot eat the call; its end is printed as it finishes
+# and every log goes into $OUT/logs.tgz (refreshed after each step). The limits fit a call of about 10 minutes.
+set -uo pipefail
 out="${OUT:-$(mktemp -d)}"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-python3 -m pytest -q -p no:cacheprovider tests/kernels >"$out/kernels-tests.log" 2>&1 || status=$?
-tail -5 "$out/kernels-tests.log"
-python3 -m benchmarks.kernels | tee "$out/kernels.md"
-exit "${status:-0}"
+logs=/tmp/hearth-logs
+rm -rf "$logs" && mkdir -p "$logs"
+[ $# -gt 0 ] && steps=("$@") || steps=(tests kernels engine)
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -c 'import torch, triton, transformers, xgrammar; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "xgrammar imports", xgrammar.Grammar is not None, "cpus", __import__("os").cpu_count())'
+
+# Tests build tiny random models and need only a tokenizer: with no model "installed", tests of real weights skip.
+tests_data=/tmp/hearth-tests/models/smollm2-135m-instruct
+mkdir -p "$tests_data" && cp .gpu/models/smollm2-135m-instruct/tokenizer*.json "$tests_data/"
+bench_data=/tmp/hearth-bench
+if [[ " ${steps[*]} " =~ \ (engine|qwen|kv|spec|lora)\  ]]; then
+    python3 -m benchmarks.random_models unpack .gpu/models "$bench_data" || exit 1
+fi
+
+step() {  # step NAME SECONDS COMMAND...: run it under its limit, then show its end at once (a later step may be cut)
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    timeout -k 10 "$limit" "$@" >"$logs/$name.log" 2>&1
+    echo "== $name: exit $?, $((SECONDS - t0)) s" | tee -a "$logs/summary.log"
+    if [ "$name" = tests ]; then grep -E "(FAILED|ERROR) |[0-9]+ (passed|failed)" "$logs/$name.log" | cut -c1-200 | tail -n 40
+    else grep -v -E "Loading weights|it/s\]|Warning|warn" "$logs/$name.log" | tail -n 24; fi
+    tar -czf "$out/logs.tgz" -C "$logs" .
+}
+
+for s in "${steps[@]}"; do
+    case $s in
+        tests) HEARTH_DATA_DIR=/tmp/hearth-tests step tests 100 python3 -m pytest -p no:cacheprovider -o addopts= \
+                   -m "not slow" -n 12 -v -rfE --timeout 60 tests/kernels/test_triton_decode.py \
+                   tests/kernels/test_triton_kv_compress.py tests/kernels/test_triton_lora.py \
+                   tests/kernels/test_kernel_bench.py tests/kernels/test_triton_globals.py tests/engine ;;
+        kernels) step kernels 90 python3 -m benchmarks.kernels ;;
+        engine) HEARTH_DATA_DIR=$bench_data step engine 120 python3 -m benchmarks.engine --concurrent 32 256 --runs 2 ;;
+        qwen) HEARTH_DATA_DIR=$bench_data step qwen 90 python3 -m benchmarks.engine \
+                  --model @hearth/qwen2.5-coder-0.5b-instruct --concurrent 32 256 --runs 1 ;;
+        kv) HEARTH_DATA_DIR=$bench_data step kv 60 python3 -m benchmarks.kv --throughput-only --quick ;;
+        spec) HEARTH_DATA_DIR=$bench_data step spec 45 python3 -m benchmarks.speculation \
+                  --step-grid @hearth/qwen2.5-coder-0.5b-instruct ;;
+        lora) HEARTH_DATA_DIR=$bench_data step lora 60 python3 -m benchmarks.lora ;;
+        *) echo "unknown step $s"; exit 2 ;;
+    esac
+done
+cat "$logs/summary.log"

@@ -115,17 +115,22 @@ def copy_bandwidth(device: str, quick: bool) -> float:
 
 
 def _cases(device: str, quick: bool) -> list[tuple[str, Pool]]:
+    """Full caches over the batch and context sizes a server sees (32-256 sequences, 1k-8k tokens), and caches
+    compressed 8x on average with per-head lengths spread over a decade, as variable eviction leaves them."""
     hkv = QWEN["num_kv_heads"]
     if device != "cuda":  # the interpreter: toy sizes, the same shapes of problem
-        batch, context = 2, 80
+        full_shapes, compressed_shapes = [(2, 80)], [(2, 80)]
+    elif quick:
+        full_shapes, compressed_shapes = [(16, 2048)], [(16, 2048)]
     else:
-        batch, context = (16, 2048) if quick else (64, 4096)
-    full = torch.full((batch, hkv), context)
-    return [
-        (f"{batch} seqs x {context} tokens, full", make_pool(full, context, torch.bfloat16, device, 1)),
-        (f"{batch} seqs x {context} tokens, 8x variable",
-         make_pool(compressed_lens(batch, hkv, context, 8, 2), context, torch.bfloat16, device, 3)),
-    ]
+        full_shapes = [(32, 1024), (64, 4096), (256, 2048), (32, 8192)]
+        compressed_shapes = [(64, 4096), (256, 2048)]
+    cases = [(f"{b} seqs x {n} tokens, full", make_pool(torch.full((b, hkv), n), n, torch.bfloat16, device, 1))
+             for b, n in full_shapes]
+    cases += [(f"{b} seqs x {n} tokens, 8x variable",
+               make_pool(compressed_lens(b, hkv, n, 8, 2), n, torch.bfloat16, device, 3))
+              for b, n in compressed_shapes]
+    return cases
 
 
 def _decode_row(name: str, pool: Pool, device: str, quick: bool) -> dict:

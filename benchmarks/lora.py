@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import _timed
+from benchmarks.engine import _timed, generated, where_label
 from benchmarks.workloads import concurrent_prompts, text_of_tokens
 from inference import LLM, EngineConfig, LoRARequest, SamplingParams
 from inference.models.catalog import DEFAULT_MODEL, model_path
@@ -51,9 +51,9 @@ def _throughput(llm: LLM, prompts: list[list[int]], params: SamplingParams, adap
     base_t, lora_t = [], []
     for _ in range(rounds):
         llm.engine.blocks.reset_prefix_cache()
-        base_t.append(_timed(lambda: llm.generate_ids(prompts, params)))
+        base_t.append(_timed(lambda: generated(llm.generate_ids(prompts, params))))
         llm.engine.blocks.reset_prefix_cache()
-        lora_t.append(_timed(lambda: llm.generate_ids(prompts, params, choice)))
+        lora_t.append(_timed(lambda: generated(llm.generate_ids(prompts, params, choice))))
     base_rate, lora_rate = tokens / statistics.median(base_t), tokens / statistics.median(lora_t)
     ratios = sorted(b / a for a, b in zip(lora_t, base_t, strict=True))  # lora tok/s over base tok/s per round
     return {"adapters": len(adapters), "requests": len(prompts), "base_tok_s": base_rate, "lora_tok_s": lora_rate,
@@ -81,8 +81,8 @@ def _cold_load(llm: LLM, adapters: list[LoRARequest], root: Path) -> dict:
         prompt = text_of_tokens(tok, 200, seed=500 + i)
         other = text_of_tokens(tok, 200, seed=900 + i)
         fresh = LoRARequest(f"ttft-{adapter.name}", adapter.path)
-        cold_ttft.append(_timed(lambda p=prompt, a=fresh: llm.generate_ids([p], first, a)))
-        warm_ttft.append(_timed(lambda p=other, a=fresh: llm.generate_ids([p], first, a)))
+        cold_ttft.append(_timed(lambda p=prompt, a=fresh: generated(llm.generate_ids([p], first, a))))
+        warm_ttft.append(_timed(lambda p=other, a=fresh: generated(llm.generate_ids([p], first, a))))
     size = sum(f.stat().st_size for f in Path(adapters[0].path).iterdir())
     return {"adapter_mb": size / 1e6, "rank": slots.prepare(adapters[0]).spec.rank,
             "prepare_ms": 1000 * statistics.median(prepare), "slot_copy_ms": 1000 * statistics.median(copy),
@@ -98,12 +98,12 @@ def run(quick: bool = False) -> dict:
     prompts = concurrent_prompts(llm.tokenizer, count=8 if quick else 32)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     results: dict = {"model": DEFAULT_MODEL, "dtype": str(llm.engine.model.dtype).removeprefix("torch."),
-                     "threads": torch.get_num_threads(), "new_tokens": new_tokens}
+                     "threads": torch.get_num_threads(), "where": where_label(llm), "new_tokens": new_tokens}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         attention = _adapters(root, 8, (8, 16), ATTENTION, "attn")
         largest = _adapters(root, 8, (32,), EVERYTHING, "all")
-        llm.generate_ids(prompts[:4], SamplingParams(max_tokens=4), attention[:4])  # warm up both paths
+        generated(llm.generate_ids(prompts[:4], SamplingParams(max_tokens=4), attention[:4]))  # warm up both paths
         results["attention"] = _throughput(llm, prompts, params, attention, rounds)
         results["largest"] = _throughput(llm, prompts, params, largest, rounds)
         results["cold"] = _cold_load(llm, largest, root)
@@ -111,7 +111,7 @@ def run(quick: bool = False) -> dict:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"{r['model']}, {r['dtype']}, {r['threads']} threads, {r['new_tokens']} output tokens per request, "
+    lines = [f"{r['model']}, {r['dtype']}, {r.get('where', str(r['threads']) + ' threads')}, {r['new_tokens']} output tokens per request, "
              f"greedy; 32 requests over 8 adapters (4 each) vs the same requests on the base model, medians of "
              f"{r['attention']['rounds']} alternated rounds.", "",
              "| adapters | base (tok/s) | 8 adapters (tok/s) | ratio | range (rounds) | goal |",

@@ -4,6 +4,7 @@
     python -m benchmarks.speculation --no-draft   (everything but the 1.5B draft-model rows)
     python -m benchmarks.speculation --chat-only [--runs N]   (the must-not-cost rows alone, N alternating runs)
     python -m benchmarks.speculation --step-cost   (decode-step time against tokens per step, 32 sequences)
+    python -m benchmarks.speculation --step-grid MODEL   (step time for 1-64 sequences x k = 0-8 pinned drafts)
 
 Rows: prompt lookup vs no speculation (Qwen2.5-Coder-0.5B and SmolLM2-135M) on input-grounded tasks; the
 1.5B target with the 0.5B draft vs the 1.5B alone (when `make models-extra` installed it); open-ended chat
@@ -20,10 +21,12 @@ import time
 
 import torch
 
+from benchmarks.engine import generated, where_label
 from benchmarks.spec_tasks import GROUNDED, OPEN_CHAT
 from inference import LLM, EngineConfig, GenerationRequest, SamplingParams
 from inference.config import default_dtype
 from inference.models.catalog import model_path
+from inference.spec.drafter import Draft, DraftRequest
 from inference.spec.settings import SpecMode, SpeculationSettings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -262,10 +265,83 @@ def step_cost(rounds: int = 2) -> dict:
                         for n, v in sorted(steps.items()) if len(v) >= 3]}
 
 
+class _PinnedDrafter:
+    """Proposes exactly k tokens (the sequence's last token repeated) every step. What verifying a draft costs does
+    not depend on whether it is accepted, so the step-cost grid pins the draft length instead of letting
+    acceptance (noise, with random weights) decide it."""
+
+    name = "pinned"
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft([int(r.token_ids[-1])] * r.k) for r in requests]
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+
+def step_cost_grid(model: str = SMOLLM, batches: tuple[int, ...] = (1, 4, 16, 64),
+                   ks: tuple[int, ...] = (0, 1, 2, 4, 8), new_tokens: int = 24) -> dict:
+    """Decode-step time for every (sequences decoding, draft tokens each): each step computes batch x (1 + k)
+    tokens. Read a row as the price of k drafts at that batch size: speculation gains where the tokens a step
+    keeps (1 + accepted) outgrow the step's cost over the plain step's."""
+    from inference.spec import controller
+
+    llm = LLM(model, EngineConfig(kv_cache_memory="2GiB", speculation="ngram", num_speculative_tokens=max(ks),
+                                  spec_max_batch=max(batches), spec_min_acceptance=0.0,
+                                  max_num_seqs=max(batches)))
+    engine = llm.engine
+    engine.spec.drafters[SpecMode.NGRAM] = _PinnedDrafter()
+    pinned = controller._SeqState.next_k
+    controller._SeqState.next_k = lambda self, k_max: k_max  # no adaptive shortening: the grid sets k
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        for batch in batches:
+            prompts = [torch.randint(1000, 20000, (128,), generator=gen).tolist() for _ in range(batch)]
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            times: dict[int, float] = {}
+            for k in ks:
+                spec = SpeculationSettings(SpecMode.NGRAM, k) if k else SpeculationSettings(SpecMode.OFF)
+                steps: list[float] = []
+                for _ in range(2):  # the first pass warms this shape up (on CUDA: Triton's compiles)
+                    steps = []
+                    for p in prompts:
+                        engine.add_request(GenerationRequest(p, params, speculation=spec))
+                    while engine.has_unfinished():
+                        running = engine.scheduler.running
+                        decoding = (len(running) == batch and not engine.scheduler.waiting
+                                    and all(s.num_computed >= s.prompt_len for s in running))
+                        start = time.perf_counter()
+                        generated(engine.step())
+                        if decoding:
+                            steps.append(time.perf_counter() - start)
+                times[k] = statistics.median(steps)
+            rows.append({"batch": batch, "ms": {k: 1000 * t for k, t in times.items()},
+                         "ratio": {k: t / times[0] for k, t in times.items()}})
+    finally:
+        controller._SeqState.next_k = pinned
+    return {"model": model, "where": where_label(llm), "dtype": str(llm.engine.model.dtype).split(".")[-1],
+            "ks": list(ks), "rows": rows}
+
+
+def step_cost_markdown(r: dict) -> str:
+    ks = r["ks"]
+    lines = [f"{r['model']}, {r['dtype']}, {r['where']}: median decode-step time with every sequence drafting k "
+             "tokens (pinned), relative to the plain step (k = 0).", "",
+             "| sequences | plain step (ms) | " + " | ".join(f"k = {k}" for k in ks if k) + " |",
+             "| --- | --- | " + " | ".join("---" for k in ks if k) + " |"]
+    for row in r["rows"]:
+        lines.append(f"| {row['batch']} | {row['ms'][0]:.2f} | "
+                     + " | ".join(f"{row['ratio'][k]:.2f}× ({row['ms'][k]:.2f})" for k in ks if k) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import sys
 
-    if "--step-cost" in sys.argv:
+    if "--step-grid" in sys.argv:
+        print(step_cost_markdown(step_cost_grid(sys.argv[sys.argv.index("--step-grid") + 1])))
+    elif "--step-cost" in sys.argv:
         print("| tokens in the step | steps | median step (ms) | ms per token |\n| --- | --- | --- | --- |")
         for b in step_cost()["buckets"]:
             print(f"| {b['tokens']} | {b['steps']} | {b['ms']:.0f} | {b['ms_per_token']:.2f} |")
