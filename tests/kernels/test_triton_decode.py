@@ -109,3 +109,35 @@ def test_prefill_kernel_matches_reference_fp32(num_queries, window, softcap) -> 
     out = triton_kernels.paged_prefill_attention(q, k_cache, v_cache, pos_cache, tables[0], lens[0], positions,
                                                  0.25, window, softcap)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("num_splits", "block_size", "window", "softcap", "dtype"), [
+    (2, 16, None, None, torch.float32),  # two stretches, the second partly past most heads' ends
+    (3, 8, None, None, torch.float32),
+    (5, 4, 70, None, torch.float32),  # splits that fall wholly outside a window or past a head's length
+    (4, 16, None, 30.0, torch.float32),
+    (3, 16, None, None, torch.bfloat16),
+])
+def test_split_heads_merge_to_the_reference(num_splits, block_size, window, softcap, dtype) -> None:
+    """Long heads cut into stretches (flash-decoding), each scored by its own program and merged by a second
+    launch: the same as one pass. Lengths vary per head as compression leaves them, one head holds one entry."""
+    q, k_cache, v_cache, pos_cache, tables, lens, q_positions = _case(
+        900 + num_splits, 3, 300, 2, 3, 16, block_size, dtype, True, future=True)
+    mask = pa.decode_mask(pos_cache, tables, lens, q_positions, window)
+    ref = pa.paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, mask, 0.25, softcap)
+    out = triton_kernels.paged_decode_attention(q, k_cache, v_cache, pos_cache, tables, lens, q_positions, 0.25,
+                                                window, softcap, num_splits=num_splits)
+    assert out.dtype == dtype
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tolerance, rtol=tolerance)
+
+
+def test_splits_fill_the_card_without_short_stretches() -> None:
+    splits = triton_kernels.decode_splits
+    assert splits(1, 3, 140) == (1, 3)  # one short sequence: nothing to split
+    assert splits(32, 2, 1024) == (4, 4)  # 16 tiles: four stretches of the shortest allowed length
+    s, per = splits(32, 2, 8192)  # 64 programs unsplit: cut to about 1,024
+    assert s * 32 * 2 >= 1024 and per >= triton_kernels.MIN_TILES_PER_SPLIT and s * per >= 8192 // 64
+    s, per = splits(256, 2, 2048)
+    assert s == 2 and per == 16
+    assert splits(512, 8, 100_000)[0] == 1  # enough programs already

@@ -13,7 +13,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import KernelInterface  # noqa: E402
 
 MODULES = ["kernels.triton_paged_attention", "kernels.triton_kv_compress", "kernels.triton_lora"]
 
@@ -27,14 +27,15 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 
 def _allowed(value: object) -> bool:
-    return (isinstance(value, (tl.constexpr, JITFunction, types.ModuleType))
+    return (isinstance(value, (tl.constexpr, KernelInterface, types.ModuleType))
             or getattr(value, "__module__", "").startswith("triton"))
 
 
 @pytest.mark.parametrize("module_name", MODULES)
 def test_jitted_functions_read_only_constexpr_globals(module_name: str) -> None:
     module = importlib.import_module(module_name)
-    kernels = [v for v in vars(module).values() if isinstance(v, JITFunction)]
+    # JITFunction compiled, InterpretedFunction under TRITON_INTERPRET=1 (set by other kernel tests on CPU)
+    kernels = [v for v in vars(module).values() if isinstance(v, KernelInterface)]
     assert kernels, f"{module_name} defines no jitted function"
     for kernel in kernels:
         fn = kernel.fn
