@@ -178,7 +178,7 @@ def _extend_row(name: str, pool: Pool, device: str, quick: bool) -> dict:
     error = _relative_error(kernel(), reference(torch.float32))
     elem = pool.k.element_size()
     nbytes = int(lens.sum()) * (2 * QWEN["head_dim"] * elem + 4) + 2 * q.numel() * elem
-    return _row("paged extend attention", f"{chunk} queries of 1 seq, {name.split(', ', 1)[1]}", nbytes, error,
+    return _row("paged extend attention", f"{chunk} queries, one seq of {name}", nbytes, error,
                 kernel, reference, device, quick)
 
 

@@ -146,6 +146,8 @@ class ModelRunner:
         between_layers: see DecoderLM.forward."""
         input_ids, batch = self.build(chunks)
         hidden = self.model.forward(input_ids, batch, self.pool, between_layers)
+        for group in batch.decode_groups:
+            group.flush_observations()
         return self._finish(chunks, hidden, head or self.model.logits)
 
     def execute_all_logits(self, chunk: ScheduledChunk) -> torch.Tensor:

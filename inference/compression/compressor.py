@@ -57,6 +57,11 @@ class CompressionState:
         width = min(received.shape[-1], self.scores.shape[-1])
         self.scores[layer, :, :width] += received[:, :width].to(self.scores.device)
 
+    def add_layers(self, received: torch.Tensor) -> None:
+        """received: [L, H, S], every layer's attention over its heads' entries 0..S-1 in one add."""
+        width = min(received.shape[-1], self.scores.shape[-1])
+        self.scores[:, :, :width] += received[:, :, :width].to(self.scores.device)
+
     def observe_size(self, cached: int, uncompressed: int) -> None:
         self.stats.cached_entries, self.stats.uncompressed_entries = cached, uncompressed
 

@@ -353,9 +353,7 @@ class DecoderLM:
                     out[rows], received = kc.paged_decode_attention_received_ref(q[rows], kv.k, kv.v, tables, mask,
                                                                                  self.scale, softcap)
             if group.observers is not None:
-                for row, observer in enumerate(group.observers):
-                    if observer is not None:
-                        observer.add(index, received[row])
+                group.received.append(received)  # added to each sequence's scores after the last layer
         for seg in batch.prefills:
             s, e = seg.start, seg.end
             if seg.observer is not None:

@@ -7,13 +7,39 @@ import pytest
 import torch
 
 from inference import LLM, EngineConfig, GenerationRequest, InvalidRequestError, SamplingParams
+from inference.batch import DecodeGroup
 from inference.block_manager import BlockManager
 from inference.compression import EvictionMethod, KVCompressionSettings
+from inference.compression.compressor import CompressionState
 from inference.compression.policy import select_keep
 from inference.kv_cache import KVLayout, KVPool
 from kernels import kv_compress
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_a_steps_observations_reach_each_sequence_layer_by_layer() -> None:
+    """Decode attention received in every layer is added to each compressing sequence's scores once per step,
+    the layers in order; rows without compression and entries past a sequence's capacity are left out."""
+    layers, heads, width = 3, 2, 40
+    gen = torch.Generator().manual_seed(5)
+    states = [CompressionState(KVCompressionSettings(rate=4.0), torch.rand(layers, heads, 48, generator=gen)), None,
+              CompressionState(KVCompressionSettings(rate=8.0), torch.rand(layers, heads, 32, generator=gen))]
+    before = [None if s is None else s.scores.clone() for s in states]
+    group = DecodeGroup(0, 3, torch.zeros(layers, 3, heads, 5, dtype=torch.int32), torch.zeros(layers, 3, heads),
+                        observers=states)
+    received = [torch.rand(3, heads, width, generator=gen) for _ in range(layers)]
+    group.received.extend(received)
+    group.flush_observations()
+    assert group.received == []
+    for row, state in enumerate(states):
+        if state is None:
+            continue
+        expected = before[row].clone()
+        for layer in range(layers):
+            keep = min(width, expected.shape[-1])
+            expected[layer, :, :keep] += received[layer][row, :, :keep]
+        torch.testing.assert_close(state.scores, expected)
 
 
 # ----------------------------------------------------------------- settings
