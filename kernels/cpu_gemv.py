@@ -150,11 +150,28 @@ def gemm_kernel(weight: GemvWeight) -> ctypes._CFuncPtr | None:
     return lib.hearth_gemm_bf16 if paired else None
 
 
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (Intel Sapphire Rapids and later). oneDNN's packed products
+    use them, and from three rows on they outrun our AVX-512 BF16 GEMM severalfold (docs/benchmarks.md,
+    cpu_gemm); one or two rows still stream the weights faster through `gemv`."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
 def gemm_supports(weight: GemvWeight) -> bool:
     """Whether products of many rows with this weight go to `gemm` rather than to oneDNN: wherever it has an
     entry point for the weight (ahead of oneDNN's packed products in both dtypes where measured:
-    docs/benchmarks.md), unless HEARTH_CPU_GEMM=off."""
-    return os.environ.get("HEARTH_CPU_GEMM", "auto") != "off" and gemm_kernel(weight) is not None
+    docs/benchmarks.md), except bf16 on a CPU with AMX, where oneDNN's products run on the tiles.
+    HEARTH_CPU_GEMM=off never uses it, =on uses it on AMX too (to compare)."""
+    mode = os.environ.get("HEARTH_CPU_GEMM", "auto")
+    if mode == "off" or gemm_kernel(weight) is None:
+        return False
+    return mode == "on" or not (weight.dtype == torch.bfloat16 and amx_bf16())
 
 
 def gemm(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_bf16_gemm_matches_the_reference_where_the_build_has_pairs(seed: int) ->
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
         bias = torch.randn(n, generator=gen).bfloat16() if seed % 2 else None
         packed = cpu_gemv.pack(w)
-        assert cpu_gemv.gemm_supports(packed)
+        assert cpu_gemv.gemm_kernel(packed) is not None
         _close_bf16(cpu_gemv.gemm(x, packed, bias), x, w, bias)
 
 
@@ -102,7 +102,10 @@ def test_linear_sends_many_rows_to_gemm(monkeypatch: pytest.MonkeyPatch) -> None
     got = layer(x)
     assert got.shape == (2, 5, 200)
     _close(got.reshape(10, 200), x.reshape(10, 128), w, b)
-    # bf16 takes the GEMM where the build has its dot products, else oneDNN
+    # bf16 takes the GEMM where the build has its dot products, else oneDNN; and oneDNN where the CPU has AMX,
+    # whose tiles it uses (HEARTH_CPU_GEMM=on keeps the GEMM there, to compare)
+    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm == (_bf16_pairs() and not cpu_gemv.amx_bf16())
+    monkeypatch.setenv("HEARTH_CPU_GEMM", "on")
     assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm == _bf16_pairs()
     monkeypatch.setenv("HEARTH_CPU_GEMM", "off")
     off = Linear(w, b)
