@@ -13,7 +13,8 @@
 #     lora     python -m benchmarks.lora (32 requests over 8 adapters against the base model)
 #
 # Each step runs under its own time limit, so one that hangs cannot eat the call; its end is printed as it finishes
-# and every log goes into $OUT/logs.tgz (refreshed after each step). The limits fit a call of about 10 minutes.
+# and every log goes into $OUT/logs.tgz (refreshed after each step). The limits add up to more than one call may
+# run (10 minutes): on a fresh lease, `tests kernels engine` in one call and `kv spec lora qwen` in a second.
 set -uo pipefail
 out="${OUT:-$(mktemp -d)}"
 logs=/tmp/hearth-logs
@@ -46,12 +47,12 @@ step() {  # step NAME SECONDS COMMAND...: run it under its limit, then show its 
 
 for s in "${steps[@]}"; do
     case $s in
-        tests) HEARTH_DATA_DIR=/tmp/hearth-tests step tests 100 python3 -m pytest -p no:cacheprovider -o addopts= \
-                   -m "not slow" -n 12 -v -rfE --timeout 60 tests/kernels/test_triton_decode.py \
+        tests) HEARTH_DATA_DIR=/tmp/hearth-tests step tests 150 python3 -m pytest -p no:cacheprovider -o addopts= \
+                   -m "not slow" -n 14 -v -rfE --timeout 60 tests/kernels/test_triton_decode.py \
                    tests/kernels/test_triton_kv_compress.py tests/kernels/test_triton_lora.py \
                    tests/kernels/test_kernel_bench.py tests/kernels/test_triton_globals.py tests/engine ;;
         kernels) step kernels 90 python3 -m benchmarks.kernels ;;
-        engine) HEARTH_DATA_DIR=$bench_data step engine 120 python3 -m benchmarks.engine --concurrent 32 256 --runs 2 ;;
+        engine) HEARTH_DATA_DIR=$bench_data step engine 150 python3 -m benchmarks.engine --concurrent 32 256 --runs 2 ;;
         qwen) HEARTH_DATA_DIR=$bench_data step qwen 90 python3 -m benchmarks.engine \
                   --model @hearth/qwen2.5-coder-0.5b-instruct --concurrent 32 256 --runs 1 ;;
         kv) HEARTH_DATA_DIR=$bench_data step kv 60 python3 -m benchmarks.kv --throughput-only --quick ;;
