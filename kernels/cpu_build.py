@@ -27,7 +27,8 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw")
 BF16_FLAGS = ("-mavx512bf16",)
 
 
-def _cpu_has(*flags: str) -> bool:
+def cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of these CPU flags."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((row for row in f if row.startswith("flags")), "")
@@ -40,9 +41,9 @@ def _cpu_has(*flags: str) -> bool:
 def flags() -> tuple[str, ...]:
     """This machine's compiler flags: the AVX2 baseline, plus AVX-512 (and its BF16 dot products) where the CPU
     has them. HEARTH_CPU_AVX512=off keeps the baseline (the AVX2 paths, on any machine: tests and comparisons)."""
-    if os.environ.get("HEARTH_CPU_AVX512", "auto") == "off" or not _cpu_has("avx512f", "avx512bw"):
+    if os.environ.get("HEARTH_CPU_AVX512", "auto") == "off" or not cpu_has("avx512f", "avx512bw"):
         return FLAGS
-    return FLAGS + AVX512_FLAGS + (BF16_FLAGS if _cpu_has("avx512_bf16") else ())
+    return FLAGS + AVX512_FLAGS + (BF16_FLAGS if cpu_has("avx512_bf16") else ())
 
 
 def cache_dir() -> Path:
@@ -66,7 +67,7 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """kernels/csrc/<name>.c as a loaded library, or None where it cannot be built here."""
-    if os.environ.get("HEARTH_CPU_KERNELS", "auto") == "off" or not _cpu_has("avx2", "fma"):
+    if os.environ.get("HEARTH_CPU_KERNELS", "auto") == "off" or not cpu_has("avx2", "fma"):
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:

@@ -155,12 +155,7 @@ def amx_bf16() -> bool:
     """Whether this CPU multiplies bf16 on AMX tiles (Intel Sapphire Rapids and later). oneDNN's packed products
     use them, and from three rows on they outrun our AVX-512 BF16 GEMM severalfold (docs/benchmarks.md,
     cpu_gemm); one or two rows still stream the weights faster through `gemv`."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags and "amx_tile" in flags
+    return cpu_build.cpu_has("amx_bf16", "amx_tile")
 
 
 def gemm_supports(weight: GemvWeight) -> bool:
