@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from inference.sampling_params import SamplingParams
+from kernels.cpu_argmax import argmax
 
 # Below this temperature the scaled logits overflow into a one-hot distribution anyway; treating the row
 # as greedy gives the same token without the numerical risk.
@@ -122,13 +123,13 @@ class Sampler:
             return []
         want_logprobs = [r.params.logprobs is not None for r in rows]
         if not any(want_logprobs) and all(_is_greedy(r.params) and not r.params.needs_penalties for r in rows):
-            ids = logits.argmax(dim=-1).tolist()
+            ids = argmax(logits).tolist()
             return [SampledToken(token_id=t, logprob=None, top=None) for t in ids]
 
         prep = self._prepare(logits, rows)
         device = prep.logits.device
         if prep.weights is None:
-            token_ids = prep.logits.argmax(dim=-1)
+            token_ids = argmax(prep.logits)
         else:
             uniforms = self._uniforms([rows[i] for i in prep.sampled]).to(device, non_blocking=True)
             drawn = _inverse_cdf_sample(prep.weights, uniforms)

@@ -9,8 +9,10 @@
  * chunk):
  *  - scores: eight keys at a time for up to three query heads, each key row loaded once for all of them, eight
  *    independent chains reduced together (one transpose-add for eight scores instead of a horizontal sum each);
- *  - values: register tiles of up to three query heads x 32-64 channels, so each value row loaded serves every
- *    query head of the group while the accumulators stay in registers for the whole chunk;
+ *    bf16 pools with BF16 dot products instead transpose the chunk's keys once and score sixteen keys to a
+ *    vector for up to four heads, with no horizontal sums at all (`scores_transposed`);
+ *  - values: register tiles of up to three query heads x 32-64 channels (four for bf16 pairs), so each value row
+ *    loaded serves every query head of the tile while the accumulators stay in registers for the whole chunk;
  *  - memory: a per-thread prefetcher runs a fixed number of entries ahead of the value loop, through the rest
  *    of the pair's blocks and on into the thread's next pair (see `prefetcher`).
  * The tiles and the prefetcher are in paged_decode_tiles.h.
@@ -156,7 +158,9 @@ static inline __attribute__((always_inline)) void decode_pair(
         if (kept == 0) continue;
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
-        if (mode == PAIRS) scores_dot((const uint16_t *)q + q0, k_cache, rows, kept, head_dim, groups, scale, scores);
+        if (mode == PAIRS && head_dim <= MAX_HEAD_DIM)
+            scores_transposed((const uint16_t *)q + q0, k_cache, rows, kept, head_dim, groups, scale, scores);
+        else if (mode == PAIRS) scores_dot((const uint16_t *)q + q0, k_cache, rows, kept, head_dim, groups, scale, scores);
 #else
         if (mode == PAIRS) scores16(qf, k_cache, rows, kept, head_dim, groups, scores, elem);
 #endif

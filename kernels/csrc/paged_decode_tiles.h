@@ -14,6 +14,8 @@
 #define CHUNK 64 /* visible entries scored together (>= the largest block, 64: a chunk holds at least one block) */
 #define TILE_GROUPS 3
 #define TILE_VECS 4
+#define PAIR_GROUPS 4 /* query heads per value tile of bf16 pairs: 16 sums of 16 lanes at 64 channels */
+#define MAX_HEAD_DIM 256 /* the largest head the transposed scores take */
 
 /* Lane i of the result is the sum of v[i]'s eight lanes. */
 static inline __m256 hsum8(const __m256 *v) {
@@ -267,7 +269,7 @@ static inline __attribute__((always_inline)) void value_tile_pairs(float *acc, c
                                                                     const int64_t *rows, int64_t kept, prefetcher *pf,
                                                                     int64_t head_dim, int64_t g0, int64_t d0, int gc,
                                                                     int nv) {
-    __m512 o[TILE_GROUPS][4];
+    __m512 o[PAIR_GROUPS][4];
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int g = 0; g < gc; g++)
         for (int c = 0; c < 2 * nv; c++)
@@ -275,7 +277,7 @@ static inline __attribute__((always_inline)) void value_tile_pairs(float *acc, c
                                     _mm512_set1_ps(shrink[g0 + g]));
     for (int64_t j = 0; j < kept; j++) {
         if (pf) pf_advance(pf, 1);
-        __m512 w[TILE_GROUPS];
+        __m512 w[PAIR_GROUPS];
         for (int g = 0; g < gc; g++) w[g] = _mm512_set1_ps(scores[(g0 + g) * CHUNK + j]);
         for (int c = 0; c < nv; c++) {
             const __m512i x = _mm512_loadu_si512(vc + rows[j] + d0 + 32 * c);
@@ -298,16 +300,16 @@ static inline __attribute__((always_inline)) void values_pairs(float *acc, const
                                                                const uint16_t *vc, const int64_t *rows, int64_t kept,
                                                                prefetcher *pf,
                                                                int64_t head_dim, int64_t groups) {
-    for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
-        const int64_t gc = groups - g0 >= TILE_GROUPS ? TILE_GROUPS : groups - g0;
+    for (int64_t g0 = 0; g0 < groups; g0 += PAIR_GROUPS) {
+        const int64_t gc = groups - g0 >= PAIR_GROUPS ? PAIR_GROUPS : groups - g0;
         int64_t d0 = 0;
         for (; d0 + 64 <= head_dim; d0 += 64) {
-            if (gc == 3) VALUE_TILE_PAIRS(d0, 3, 2); else if (gc == 2) VALUE_TILE_PAIRS(d0, 2, 2);
-            else VALUE_TILE_PAIRS(d0, 1, 2);
+            if (gc == 4) VALUE_TILE_PAIRS(d0, 4, 2); else if (gc == 3) VALUE_TILE_PAIRS(d0, 3, 2);
+            else if (gc == 2) VALUE_TILE_PAIRS(d0, 2, 2); else VALUE_TILE_PAIRS(d0, 1, 2);
         }
         if (d0 < head_dim) { /* 32 channels left */
-            if (gc == 3) VALUE_TILE_PAIRS(d0, 3, 1); else if (gc == 2) VALUE_TILE_PAIRS(d0, 2, 1);
-            else VALUE_TILE_PAIRS(d0, 1, 1);
+            if (gc == 4) VALUE_TILE_PAIRS(d0, 4, 1); else if (gc == 3) VALUE_TILE_PAIRS(d0, 3, 1);
+            else if (gc == 2) VALUE_TILE_PAIRS(d0, 2, 1); else VALUE_TILE_PAIRS(d0, 1, 1);
         }
     }
 }
@@ -346,6 +348,81 @@ static inline __attribute__((always_inline)) void block_scores_dot(const uint16_
                                      (__m512bh)_mm512_loadu_si512(qg + g * head_dim + d));
             s[g * CHUNK + j] = _mm512_reduce_add_ps(a) * scale;
         }
+}
+
+/* Scores through keys turned on their side: up to 64 keys of a chunk are transposed once, in 16 x 16 blocks of
+ * 32-bit channel pairs (kt[p][j]: pair p of key j), and then every query head's scores come out sixteen keys to a
+ * vector: sum over p of pair p of the keys times pair p of the query, broadcast. No horizontal sums: with
+ * head_dim 64 those cost as much as the dot products (block_scores_dot), more so the more query heads share a
+ * kv head (Qwen2.5: seven), while the transpose is paid once per key whatever the number of heads. */
+static inline __attribute__((always_inline)) void transpose16(const __m512i r[16], uint32_t *kt, int64_t stride) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c], 128-bit lane L: channel 4L + c of keys 4i .. 4i + 3 */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i s1 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i s2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i s3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        _mm512_storeu_si512(kt + (0 + c) * stride, _mm512_shuffle_i32x4(s0, s2, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_storeu_si512(kt + (8 + c) * stride, _mm512_shuffle_i32x4(s0, s2, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_storeu_si512(kt + (4 + c) * stride, _mm512_shuffle_i32x4(s1, s3, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_storeu_si512(kt + (12 + c) * stride, _mm512_shuffle_i32x4(s1, s3, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+}
+
+/* gc query heads (from qg, bf16) x nj groups of sixteen keys from kt: gc * nj independent chains of sums. */
+static inline __attribute__((always_inline)) void scores_kt_tile(const uint16_t *qg, const uint32_t *kt,
+                                                                 int64_t head_dim, float scale, float *s, int gc,
+                                                                 int nj) {
+    __m512 a[4][4];
+    for (int g = 0; g < gc; g++)
+        for (int j = 0; j < nj; j++) a[g][j] = _mm512_setzero_ps();
+    const uint32_t *qp = (const uint32_t *)qg;
+    for (int64_t p = 0; p < head_dim / 2; p++) {
+        __m512bh k[4];
+        for (int j = 0; j < nj; j++) k[j] = (__m512bh)_mm512_loadu_si512(kt + p * CHUNK + 16 * j);
+        for (int g = 0; g < gc; g++) {
+            const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qp[g * head_dim / 2 + p]);
+            for (int j = 0; j < nj; j++) a[g][j] = _mm512_dpbf16_ps(a[g][j], q, k[j]);
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int j = 0; j < nj; j++)
+            _mm512_storeu_ps(s + g * CHUNK + 16 * j, _mm512_mul_ps(a[g][j], _mm512_set1_ps(scale)));
+}
+
+#define SCORES_KT_TILE(GC) \
+    (nj == 4 ? scores_kt_tile(qg, kt, head_dim, scale, s, GC, 4) : scores_kt_tile(qg, kt, head_dim, scale, s, GC, 2))
+
+static inline __attribute__((always_inline)) void scores_transposed(const uint16_t *qb, const uint16_t *kc,
+                                                                    const int64_t *rows, int64_t kept,
+                                                                    int64_t head_dim, int64_t groups, float scale,
+                                                                    float *scores) {
+    uint32_t kt[MAX_HEAD_DIM / 2 * CHUNK];
+    const int nj = kept > 32 ? 4 : 2; /* key groups of sixteen scored (past `kept`: a copy of the last key) */
+    for (int64_t j0 = 0; j0 < 16 * nj; j0 += 16)
+        for (int64_t d = 0; d < head_dim; d += 32) { /* 32 channels = 16 pairs of each of 16 keys */
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_si512(kc + rows[j0 + i < kept ? j0 + i : kept - 1] + d);
+            transpose16(r, kt + d / 2 * CHUNK + j0, CHUNK);
+        }
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        const uint16_t *qg = qb + g0 * head_dim;
+        float *s = scores + g0 * CHUNK;
+        const int64_t gc = groups - g0 >= 4 ? 4 : groups - g0;
+        if (gc == 4) SCORES_KT_TILE(4); else if (gc == 3) SCORES_KT_TILE(3);
+        else if (gc == 2) SCORES_KT_TILE(2); else SCORES_KT_TILE(1);
+    }
 }
 
 static inline __attribute__((always_inline)) void scores_dot(const uint16_t *qb, const uint16_t *kc,
