@@ -284,42 +284,36 @@ def step_cost_grid(model: str = SMOLLM, batches: tuple[int, ...] = (1, 4, 16, 64
     """Decode-step time for every (sequences decoding, draft tokens each): each step computes batch x (1 + k)
     tokens. Read a row as the price of k drafts at that batch size: speculation gains where the tokens a step
     keeps (1 + accepted) outgrow the step's cost over the plain step's."""
-    from inference.spec import controller
-
     llm = LLM(model, EngineConfig(kv_cache_memory="2GiB", speculation="ngram", num_speculative_tokens=max(ks),
                                   spec_max_batch=max(batches), spec_min_acceptance=0.0,
                                   max_num_seqs=max(batches)))
     engine = llm.engine
     engine.spec.drafters[SpecMode.NGRAM] = _PinnedDrafter()
-    pinned = controller._SeqState.next_k
-    controller._SeqState.next_k = lambda self, k_max: k_max  # no adaptive shortening: the grid sets k
+    engine.spec.policy.adaptive_k = False  # no adaptive shortening: the grid sets k
     gen = torch.Generator().manual_seed(0)
     rows = []
-    try:
-        for batch in batches:
-            prompts = [torch.randint(1000, 20000, (128,), generator=gen).tolist() for _ in range(batch)]
-            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-            times: dict[int, float] = {}
-            for k in ks:
-                spec = SpeculationSettings(SpecMode.NGRAM, k) if k else SpeculationSettings(SpecMode.OFF)
-                steps: list[float] = []
-                for _ in range(2):  # the first pass warms this shape up (on CUDA: Triton's compiles)
-                    steps = []
-                    for p in prompts:
-                        engine.add_request(GenerationRequest(p, params, speculation=spec))
-                    while engine.has_unfinished():
-                        running = engine.scheduler.running
-                        decoding = (len(running) == batch and not engine.scheduler.waiting
-                                    and all(s.num_computed >= s.prompt_len for s in running))
-                        start = time.perf_counter()
-                        generated(engine.step())
-                        if decoding:
-                            steps.append(time.perf_counter() - start)
-                times[k] = statistics.median(steps)
-            rows.append({"batch": batch, "ms": {k: 1000 * t for k, t in times.items()},
-                         "ratio": {k: t / times[0] for k, t in times.items()}})
-    finally:
-        controller._SeqState.next_k = pinned
+    for batch in batches:
+        prompts = [torch.randint(1000, 20000, (128,), generator=gen).tolist() for _ in range(batch)]
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        times: dict[int, float] = {}
+        for k in ks:
+            spec = SpeculationSettings(SpecMode.NGRAM, k) if k else SpeculationSettings(SpecMode.OFF)
+            steps: list[float] = []
+            for _ in range(2):  # the first pass warms this shape up (on CUDA: Triton's compiles)
+                steps = []
+                for p in prompts:
+                    engine.add_request(GenerationRequest(p, params, speculation=spec))
+                while engine.has_unfinished():
+                    running = engine.scheduler.running
+                    decoding = (len(running) == batch and not engine.scheduler.waiting
+                                and all(s.num_computed >= s.prompt_len for s in running))
+                    start = time.perf_counter()
+                    generated(engine.step())
+                    if decoding:
+                        steps.append(time.perf_counter() - start)
+            times[k] = statistics.median(steps)
+        rows.append({"batch": batch, "ms": {k: 1000 * t for k, t in times.items()},
+                     "ratio": {k: t / times[0] for k, t in times.items()}})
     return {"model": model, "where": where_label(llm), "dtype": str(llm.engine.model.dtype).split(".")[-1],
             "ks": list(ks), "rows": rows}
 

@@ -39,7 +39,7 @@ class Matrix(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix), ("down", Matrix), ("input_norm", _c),
-                ("post_norm", _c), ("cos", _c), ("sin", _c), ("window", ctypes.c_int64)]
+                ("post_norm", _c), ("cos", _c), ("sin", _c), ("window", ctypes.c_int64), ("gate_up_silu", _c)]
 
 
 class _Model(ctypes.Structure):
@@ -114,10 +114,17 @@ def matrix(weight: cpu_gemv.GemvWeight | cpu_int8.Int8Weight | None, bias: torch
     return Matrix(_address(fn), kind, *args, _address(fn)) if fn is not None else None
 
 
+def silu_entry(weight: cpu_gemv.GemvWeight) -> int | None:
+    """The address of cpu_gemv's fused gate/up + SiLU entry point for this weight, or None where it has none."""
+    fn = cpu_gemv.gemm_silu_kernel(weight)
+    return _address(fn) if fn is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """One layer as the stack runs it: its four products (from `matrix`), its two norms' weights, its rotary
-    tables [max_pos, head_dim] (rotating every channel) and its sliding window."""
+    tables [max_pos, head_dim] (rotating every channel), its sliding window, and where the forward computes
+    SiLU * up of many rows straight from the gate/up weight, that entry point (`silu_entry`)."""
 
     qkv: Matrix
     o: Matrix
@@ -128,6 +135,7 @@ class LayerSpec:
     cos: torch.Tensor
     sin: torch.Tensor
     window: int | None
+    gate_up_silu: int | None = None
 
 
 @dataclass(slots=True)
@@ -162,7 +170,7 @@ class DecodeStack:
         # Steps of more rows run here only if every product of more rows is one of the kernels too.
         self.many_rows = all(m.many for s in layers for m in (s.qkv, s.o, s.gate_up, s.down))
         self.layers = [_Layer(s.qkv, s.o, s.gate_up, s.down, s.input_norm.data_ptr(), s.post_norm.data_ptr(),
-                              s.cos.data_ptr(), s.sin.data_ptr(), s.window or 0) for s in layers]
+                              s.cos.data_ptr(), s.sin.data_ptr(), s.window or 0, s.gate_up_silu) for s in layers]
         self._refs = [ctypes.byref(layer) for layer in self.layers]
         self._model_ref = ctypes.byref(self.model)
         self._widest = max(max(s.qkv.k, s.o.k, s.gate_up.k, s.down.k) for s in layers)

@@ -10,7 +10,8 @@ half the bytes: sums in fp32, each output rounded once (as oneDNN's bf16 product
 Products of more rows are compute-bound. `gemm` runs them on the same packed weights with register tiles of 6
 rows (AVX2) or 12 (AVX-512) (`csrc/gemm.c`), in fp32, and in bf16 on builds with AVX-512 BF16 dot products; it
 is level with or ahead of oneDNN's packed products in both (docs/benchmarks.md). bf16 without those dot
-products goes to oneDNN.
+products goes to oneDNN. `gemm_silu` computes an MLP's silu(gate) * up straight from its fused gate/up weight,
+and `gemm_fp32` stores bf16 products widened (logits): each the separate steps' results, in one pass.
 
 Built by kernels/cpu_build. Without a C compiler, AVX2 and FMA, or with HEARTH_CPU_GEMV=off (or
 HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path; HEARTH_CPU_GEMM=off turns off
@@ -50,8 +51,14 @@ def _gemm_library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.hearth_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         lib.hearth_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+        lib.hearth_gemm_bf16_wide.argtypes = lib.hearth_gemm_bf16.argtypes
+        lib.hearth_gemm_bf16_wide.restype = None
+        lib.hearth_gemm_silu_f32.argtypes = lib.hearth_gemm_f32.argtypes
+        lib.hearth_gemm_silu_bf16.argtypes = lib.hearth_gemm_bf16.argtypes
         lib.hearth_gemm_f32.restype = lib.hearth_gemm_bf16.restype = None
-        for fn in (lib.hearth_gemm_chunk_rows, lib.hearth_gemm_tile_rows, lib.hearth_gemm_bf16_pairs):
+        lib.hearth_gemm_silu_f32.restype = lib.hearth_gemm_silu_bf16.restype = None
+        for fn in (lib.hearth_gemm_chunk_rows, lib.hearth_gemm_tile_rows, lib.hearth_gemm_bf16_pairs,
+                   lib.hearth_gemm_block_width):
             fn.argtypes, fn.restype = [], ctypes.c_int64
     return lib
 
@@ -148,6 +155,49 @@ def gemm_kernel(weight: GemvWeight) -> ctypes._CFuncPtr | None:
         return lib.hearth_gemm_f32
     paired = weight.packed.dim() == 4 and bool(lib.hearth_gemm_bf16_pairs())
     return lib.hearth_gemm_bf16 if paired else None
+
+
+def gemm_fp32(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemm(x, weight, bias).float()` in one pass where the GEMM takes the weight in bf16 (each output is the bf16
+    value, stored widened): the LM head's logits, which sampling reads in fp32. Elsewhere the two steps."""
+    lib = _gemm_library()
+    if weight.dtype != torch.bfloat16 or lib is None or gemm_kernel(weight) is None:
+        return gemm(x, weight, bias).float()
+    m, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(m, weight.out_features, dtype=torch.float32)
+    b = bias.contiguous().data_ptr() if bias is not None else None
+    lib.hearth_gemm_bf16_wide(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, weight.out_features, k,
+                              torch.get_num_threads(), None)
+    return y
+
+
+def gemm_silu_kernel(weight: GemvWeight) -> ctypes._CFuncPtr | None:
+    """The GEMM's entry point computing silu(gate) * up straight from a fused [gate; up] weight (same arguments
+    as `gemm_kernel`'s, with n the intermediate size), where the build has one for the weight and each half is a
+    whole number of the GEMM's blocks."""
+    lib = _gemm_library()
+    if gemm_kernel(weight) is None or lib is None or weight.out_features % 2:
+        return None
+    if (weight.out_features // 2) % int(lib.hearth_gemm_block_width()):
+        return None
+    return lib.hearth_gemm_silu_f32 if weight.dtype == torch.float32 else lib.hearth_gemm_silu_bf16
+
+
+def gemm_silu(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up [m, n / 2] for x [m, k] and a fused gate/up weight [n, k] (gate first) that
+    `gemm_silu_kernel` takes: cpu_fused.silu_mul(gemm(x, weight, bias)) bit for bit, without writing the n
+    products and reading them back."""
+    fn = gemm_silu_kernel(weight)
+    assert fn is not None
+    m, k = x.shape
+    inter = weight.out_features // 2
+    x = x.contiguous()
+    y = torch.empty(m, inter, dtype=weight.dtype)
+    b = bias.contiguous().data_ptr() if bias is not None else None
+    args = (x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, inter, k, torch.get_num_threads())
+    fn(*args) if weight.dtype == torch.float32 else fn(*args, None)
+    return y
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from inference.batch import AttentionBatch, DecodeGroup
 from inference.kv_cache import KVPool
 from inference.models import layers
-from kernels import cpu_decode_layer, cpu_fused, cpu_norm
+from kernels import cpu_decode_layer, cpu_fused, cpu_gemv, cpu_norm
 from kernels import cpu_paged_attention as cpa
 from kernels import kv_compress as kc
 from kernels import paged_attention as pa
@@ -176,6 +176,11 @@ class DecoderLM:
             ))
         self.silu_mul = (self.cpu_fused and self.act is F.silu
                          and cpu_fused.silu_mul_fits(self.layers[0].gate_up.out_features // 2))
+        # Products of many rows with a gate/up weight the GEMM takes go straight into SiLU * up
+        # (cpu_gemv.gemm_silu: the same bits, without writing both halves out and reading them back).
+        self.gate_up_silu = self.silu_mul and os.environ.get("HEARTH_CPU_GEMM_SILU", "auto") != "off" and all(
+            isinstance(layer.gate_up, layers.Linear) and layer.gate_up.gemm and layer.gate_up.gemv_weight is not None
+            and cpu_gemv.gemm_silu_kernel(layer.gate_up.gemv_weight) is not None for layer in self.layers)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.decode_stack = self._decode_stack()
@@ -194,8 +199,11 @@ class DecoderLM:
                         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in products) or layer.rope.rotary_dim != self.head_dim:
                 return None
+            silu = (cpu_decode_layer.silu_entry(layer.gate_up.gemv_weight)
+                    if self.gate_up_silu and isinstance(layer.gate_up, layers.Linear) and layer.gate_up.gemv_weight
+                    else None)
             specs.append(cpu_decode_layer.LayerSpec(*products, layer.input_norm, layer.post_attn_norm,
-                                                    layer.rope.cos, layer.rope.sin, layer.sliding_window))
+                                                    layer.rope.cos, layer.rope.sin, layer.sliding_window, silu))
         return cpu_decode_layer.DecodeStack(
             dtype=self.dtype, hidden=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=self.layers[0].gate_up.out_features // 2, eps=self.eps,
@@ -256,14 +264,17 @@ class DecoderLM:
                 h, x = self._add_norm(h, self._norm(x, layer.post_attn_norm), layer.pre_ffn_norm)
             else:
                 h, x = self._add_norm(h, x, layer.post_attn_norm)
-            gate_up = layer.gate_up(x)
-            if batch.lora is not None:
-                batch.lora.apply(index, "gate_up", x, gate_up)
-            if self.silu_mul:
-                x = cpu_fused.silu_mul(gate_up)
+            if self.gate_up_silu and batch.lora is None and x.shape[0] > cpu_gemv.MAX_ROWS:
+                x = cpu_gemv.gemm_silu(x, *layer.gate_up.kernel_weight())
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                x = self.act(gate) * up
+                gate_up = layer.gate_up(x)
+                if batch.lora is not None:
+                    batch.lora.apply(index, "gate_up", x, gate_up)
+                if self.silu_mul:
+                    x = cpu_fused.silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    x = self.act(gate) * up
             down = layer.down(x)
             x = batch.lora.apply(index, "down", x, down) if batch.lora is not None else down
             if layer.post_ffn_norm is not None:
@@ -273,7 +284,7 @@ class DecoderLM:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.finish_logits(self.lm_head(hidden))
+        return self.finish_logits(self.lm_head.fp32(hidden))
 
     def finish_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Raw head outputs (any subset of the vocabulary) -> fp32 logits, soft-capped where the model caps."""

@@ -93,6 +93,13 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).float(): on the GEMM in bf16, in the same pass (cpu_gemv.gemm_fp32)."""
+        if self.gemm and self.gemv_weight is not None and x.dim() == 2 and x.shape[0] > cpu_gemv.MAX_ROWS:
+            return cpu_gemv.gemm_fp32(x, self.gemv_weight, self.bias)
+        return self(x).float()
+
+
 class Int8Linear:
     """y = x (scale * Q)^T + b with weight-only int8 Q, one fp32 scale per output row (kernels/cpu_int8).
 
@@ -114,6 +121,9 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_int8.linear(x, self.weight, self.bias)
+
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
 
 
 LinearLayer = Linear | Int8Linear

@@ -34,6 +34,7 @@ class AdaptivePolicy:
     ema_weight: float = 0.3
     cooldown_steps: int = 16
     max_batch: int = 8  # more decoding sequences than this: no drafts this step
+    adaptive_k: bool = True  # False: always draft the settings' k (measurements that price a fixed draft length)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_acceptance <= 1.0 or not 0.0 < self.ema_weight <= 1.0:
@@ -99,7 +100,8 @@ class SpecController:
             if state.paused_until > self._step:
                 continue
             # Never draft past max_tokens or the context: those tokens could not be kept anyway.
-            room = min(state.next_k(settings.k), seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            k = state.next_k(settings.k) if self.policy.adaptive_k else settings.k
+            room = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        token_room - seq.num_tokens - 1)
             if room < 1:
                 continue

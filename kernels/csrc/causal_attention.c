@@ -46,7 +46,6 @@ static inline float vreduce_max(vec a) { return _mm512_reduce_max_ps(a); }
 static inline float vreduce_add(vec a) { return _mm512_reduce_add_ps(a); }
 static inline vec vexp(vec x) { return exp16(x); }
 static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vset1(float x) { return _mm512_set1_ps(x); }
 #else
 static inline vec mask_past(vec x, vec idx, float row, float fill) {
@@ -62,7 +61,6 @@ static inline float vreduce_max(vec a) {
 static inline float vreduce_add(vec a) { return hsum(a); }
 static inline vec vexp(vec x) { return exp8(x); }
 static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vset1(float x) { return _mm256_set1_ps(x); }
 #endif
 

@@ -50,6 +50,7 @@ typedef struct {
     const void *input_norm, *post_norm;
     const void *cos, *sin; /* rotary tables [max_pos, head_dim] */
     int64_t window;        /* sliding window, 0 for none */
+    void *gate_up_silu;    /* for more than gemv_rows rows: silu(gate) * up in one call (gemm.c), or NULL */
 } Layer;
 
 /* The model's shapes and kernels. */
@@ -111,8 +112,17 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
                                  S->width, M->scale, L->window, M->softcap, M->threads);
     product(M, S, &L->o, S->attn, S->x);
     norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
-    product(M, S, &L->gate_up, S->normed, S->gate_up);
-    ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
+    const Matrix *gu = &L->gate_up;
+    if (m > M->gemv_rows && L->gate_up_silu) { /* the products and SiLU * up in one pass, as the forward does */
+        if (gu->kind == GEMV_F32)
+            ((gemv_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k, M->threads);
+        else
+            ((gemv_widened_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k,
+                                                M->threads, S->widened);
+    } else {
+        product(M, S, gu, S->normed, S->gate_up);
+        ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
+    }
     product(M, S, &L->down, S->act, S->x);
     S->has_x = 1;
 }

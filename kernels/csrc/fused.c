@@ -94,17 +94,6 @@ __attribute__((optimize("fp-contract=off"))) void hearth_rope_write_kv_bf16(
     ROPE_WRITE_KV(bf16_load, bf16_store, bf16_round, 2)
 }
 
-/* silu(g) = g / (1 + exp(-g)), eight lanes. */
-static inline __m256 silu8(__m256 g) {
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-}
-
-#ifdef __AVX512F__
-static inline __m512 silu16(__m512 g) {
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
-#endif
-
 /* Elements (rows x intermediate) from which the threads share the work. Measured on 2 cores (AVX-512 build,
  * intermediate 1536): 11 rows take 13.8 us in one thread and 8.8 in two (bf16), 6.3 and 4.6 (fp32); a single
  * decode row (1536) stays on one thread, where waking the other would cost more than its share. */

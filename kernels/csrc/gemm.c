@@ -19,6 +19,11 @@
  * GFLOP/s against 122-143 for 48-96 rows), and blocking k as well gained nothing (the extra passes over y cost
  * what the smaller weight panels saved).
  *
+ * Two variants write less: a fused [gate; up] weight's products straight into silu(gate) * up (a thread takes a
+ * gate block with the up block of the same outputs; the separate product wrote both halves for fused.c to read
+ * back, about 3% of a 32-concurrent Qwen2.5 bf16 pass), and bf16 products stored as fp32 (the LM head's logits,
+ * which sampling reads in fp32, without a conversion pass). Both give the separate steps' results bit for bit.
+ *
  * Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
  */
 #include <immintrin.h>
@@ -38,13 +43,14 @@
 #define CHUNK_ROWS 96 /* 8 or 16 tiles */
 
 enum { F32, /* fp32 x, weights, bias and y: a step is one k */
-       BF16_PAIRS /* bf16 x, weights in pairs of k, bias and y: a step is a pair of k */ };
+       BF16_PAIRS, /* bf16 x, weights in pairs of k, bias and y: a step is a pair of k */
+       BF16_WIDE /* BF16_PAIRS with each output stored widened to fp32 (the bf16 value): logits for sampling */ };
 
 /* acc[r][v] += (vector v of step i of the block) * (step i of row r of x), for a tile's M rows. */
 static inline __attribute__((always_inline)) void step(int kind, int M, vec acc[MR][NB], const void *block,
                                                         int64_t i, const void *x, int64_t k) {
 #ifdef __AVX512BF16__
-    if (kind == BF16_PAIRS) {
+    if (kind != F32) {
         const uint16_t *w = (const uint16_t *)block + i * BW * 2;
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 2 * VL);
         _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
@@ -87,6 +93,14 @@ static inline __attribute__((always_inline)) void store_row(int kind, const vec 
     vstore(row, sums[0]);
     vstore(row + VL, sums[1]);
 #ifdef __AVX512BF16__
+    if (kind == BF16_WIDE) {
+        const uint16_t *bb = (const uint16_t *)b;
+        float *yf = width == BW ? (float *)y : row; /* a partial last block goes through the row buffer */
+        for (int v = 0; v < NB; v++)
+            vstore(yf + v * VL, round16_bf16(b ? vadd(sums[v], widen16_bf16(bb + v * VL)) : sums[v]));
+        for (int64_t c = 0; width < BW && c < width; c++) ((float *)y)[c] = row[c];
+        return;
+    }
     if (kind == BF16_PAIRS) {
         const uint16_t *bb = (const uint16_t *)b;
         if (width == BW) {
@@ -110,13 +124,11 @@ static inline __attribute__((always_inline)) void store_row(int kind, const vec 
     for (int64_t c = 0; c < width; c++) ((float *)y)[c] = row[c] + (b ? bf[c] : 0.f);
 }
 
-/* Rows [0, M) of x (row stride k elements) times one block over all k; y's rows have stride n. M is a constant
- * once inlined, so the tile's sums live in registers. */
-static inline __attribute__((always_inline)) void tile(int kind, int M, const void *x, int64_t k, const void *block,
-                                                        const void *b, void *y, int64_t n, int64_t width,
-                                                        prefetch *pf) {
-    const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2;
-    vec acc[MR][NB];
+/* The sums of rows [0, M) of x (row stride k elements) times one block over all k, into acc. M is a constant once
+ * inlined, so the sums live in registers. */
+static inline __attribute__((always_inline)) void tile_sums(int kind, int M, const void *x, int64_t k,
+                                                            const void *block, prefetch *pf, vec acc[MR][NB]) {
+    const int64_t steps = kind == F32 ? k : k / 2;
     _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
         acc[r][0] = vzero();
         acc[r][1] = vzero();
@@ -128,7 +140,54 @@ static inline __attribute__((always_inline)) void tile(int kind, int M, const vo
             step(kind, M, acc, block, i, x, k);
             fetch_ahead(pf);
         }
-    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) store_row(kind, acc[r], b, (char *)y + r * n * size, width);
+}
+
+/* Rows [0, M) of x times one block, stored in y (rows of stride n). */
+static inline __attribute__((always_inline)) void tile(int kind, int M, const void *x, int64_t k, const void *block,
+                                                        const void *b, void *y, int64_t n, int64_t width,
+                                                        prefetch *pf) {
+    const int64_t out = kind == BF16_PAIRS ? 2 : 4; /* bytes per output */
+    vec acc[MR][NB];
+    tile_sums(kind, M, x, k, block, pf, acc);
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) store_row(kind, acc[r], b, (char *)y + r * n * out, width);
+}
+
+/* y = silu(gate) * up for rows [0, M) and one block's BW outputs of each half of a fused gate/up weight: the gate
+ * block's sums wait in an L1-resident buffer while the up block's are computed, then both meet in registers. In
+ * bf16 each of gate, up and silu(gate) is rounded as the separate product and fused.c's SiLU * up round them, so
+ * the result is theirs bit for bit; fp32 has nothing to round. pf_gate and pf_up: what each half prefetches. */
+static inline __attribute__((always_inline)) void tile_silu(int kind, int M, const void *x, int64_t k,
+                                                             const void *gate, const void *up, const void *b_gate,
+                                                             const void *b_up, void *y, int64_t n, prefetch *pf_gate,
+                                                             prefetch *pf_up) {
+    const int64_t size = kind == F32 ? 4 : 2;
+    vec acc[MR][NB];
+    float g[MR][BW];
+    tile_sums(kind, M, x, k, gate, pf_gate, acc);
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
+        vstore(g[r], acc[r][0]);
+        vstore(g[r] + VL, acc[r][1]);
+    }
+    tile_sums(kind, M, x, k, up, pf_up, acc);
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
+        char *row = (char *)y + r * n * size;
+        for (int v = 0; v < NB; v++) {
+            vec gv = vload_f32(g[r] + v * VL), uv = acc[r][v];
+#ifdef __AVX512BF16__
+            if (kind == BF16_PAIRS) {
+                const uint16_t *bg = (const uint16_t *)b_gate, *bu = (const uint16_t *)b_up;
+                gv = round16_bf16(bg ? vadd(gv, widen16_bf16(bg + v * VL)) : gv);
+                uv = round16_bf16(bu ? vadd(uv, widen16_bf16(bu + v * VL)) : uv);
+                _mm256_storeu_si256((__m256i *)((uint16_t *)row + v * VL),
+                                    narrow16_bf16(vmul(round16_bf16(vsilu(gv)), uv)));
+                continue;
+            }
+#endif
+            if (b_gate) gv = vadd(gv, vload_f32((const float *)b_gate + v * VL));
+            if (b_up) uv = vadd(uv, vload_f32((const float *)b_up + v * VL));
+            vstore((float *)row + v * VL, vmul(vsilu(gv), uv));
+        }
+    }
 }
 
 /* A tile of M rows, M in [1, MR] known only at run time: one inlined copy per height. */
@@ -166,18 +225,89 @@ static inline __attribute__((always_inline)) void block_rows(int kind, const voi
                                                               const void *block, const void *b, void *y, int64_t n,
                                                               int64_t width, const void *next) {
     const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2, tiles = (m + MR - 1) / MR;
-    const int64_t lines = k * BW * size / 64; /* a block's cache lines */
+    /* a block's cache lines; bytes per output */
+    const int64_t lines = k * BW * size / 64, out = kind == BF16_PAIRS ? 2 : 4;
     prefetch none = {0, 0, 0}, pf = none;
-    if (next && (kind == BF16_PAIRS || tiles <= 3)) { /* one or two lines a step, over the tiles that prefetch */
+    if (next && (kind != F32 || tiles <= 3)) { /* one or two lines a step, over the tiles that prefetch */
         const int64_t later = tiles > 1 ? (tiles - 1) * steps : steps, per = (lines + later - 1) / later;
         pf = (prefetch){(const char *)next, (const char *)next + lines * 64, per > 1 ? 2 : 1};
     }
     const int64_t even = m % MR == 0 || m % MR > MR / 2;
     for (int64_t t = 0, r = 0; t < tiles; t++) {
         const int64_t rows = even ? m / tiles + (t < m % tiles) : t < tiles - 1 ? MR : m % MR;
-        tile_of(kind, rows, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * size, n, width,
+        tile_of(kind, rows, (const char *)x + r * k * size, k, block, b, (char *)y + r * n * out, n, width,
                 t == 0 && tiles > 1 ? &none : &pf);
         r += rows;
+    }
+}
+
+/* block_rows for a gate block and the up block of the same outputs (tile_silu). The first tile's gate half
+ * prefetches its up block; from the second tile on, the halves prefetch the next gate and up blocks the thread
+ * takes (`next_gate`, `next_up`, or NULL). */
+static inline __attribute__((always_inline)) void silu_rows(int kind, const void *x, int64_t m, int64_t k,
+                                                             const void *gate, const void *up, const void *b_gate,
+                                                             const void *b_up, void *y, int64_t n,
+                                                             const void *next_gate, const void *next_up) {
+    const int64_t size = kind == F32 ? 4 : 2, steps = kind == F32 ? k : k / 2, tiles = (m + MR - 1) / MR;
+    const int64_t lines = k * BW * size / 64;
+    const int64_t now_per = (lines + steps - 1) / steps;
+    prefetch none = {0, 0, 0}, up_now = {(const char *)up, (const char *)up + lines * 64, now_per > 1 ? 2 : 1};
+    prefetch pf_gate = none, pf_up = none;
+    if (next_gate) {
+        const int64_t later = tiles > 1 ? (tiles - 1) * steps : steps, per = (lines + later - 1) / later;
+        pf_gate = (prefetch){(const char *)next_gate, (const char *)next_gate + lines * 64, per > 1 ? 2 : 1};
+        pf_up = (prefetch){(const char *)next_up, (const char *)next_up + lines * 64, per > 1 ? 2 : 1};
+    }
+    const int64_t even = m % MR == 0 || m % MR > MR / 2;
+    for (int64_t t = 0, r = 0; t < tiles; t++) {
+        const int64_t rows = even ? m / tiles + (t < m % tiles) : t < tiles - 1 ? MR : m % MR;
+        prefetch *first = t == 0 ? &up_now : &pf_gate, *second = t == 0 ? (tiles > 1 ? &none : &pf_gate) : &pf_up;
+        const void *xr = (const char *)x + r * k * size;
+        void *yr = (char *)y + r * n * size;
+        switch (rows) {
+#if MR == 12
+        case 12: tile_silu(kind, 12, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 11: tile_silu(kind, 11, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 10: tile_silu(kind, 10, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 9: tile_silu(kind, 9, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 8: tile_silu(kind, 8, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 7: tile_silu(kind, 7, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+#endif
+        case 6: tile_silu(kind, 6, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 5: tile_silu(kind, 5, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 4: tile_silu(kind, 4, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 3: tile_silu(kind, 3, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 2: tile_silu(kind, 2, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        case 1: tile_silu(kind, 1, xr, k, gate, up, b_gate, b_up, yr, n, first, second); break;
+        default: break;
+        }
+        r += rows;
+    }
+}
+
+/* y [m, inter] = silu(x W_gate^T) * (x W_up^T) for a weight packed as [gate; up] (2 * inter outputs, inter a
+ * multiple of BW): a thread takes gate blocks and the up blocks of the same outputs, chunk by chunk of rows as
+ * product does. The separate product would write 2 * inter outputs a row for the SiLU pass to read back. */
+static inline __attribute__((always_inline)) void product_silu(int kind, const void *x, const void *packed,
+                                                                const void *b, void *y, int64_t m, int64_t inter,
+                                                                int64_t k, int64_t threads) {
+    const int64_t half = inter / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2, bytes = k * BW * size;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t first = half * t / team, end = half * (t + 1) / team;
+        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+            for (int64_t blk = first; blk < end; blk++) {
+                const int64_t after = blk + 1 < end ? blk + 1 : r0 + chunk < m ? first : -1;
+                const char *base = (const char *)packed;
+                silu_rows(kind, (const char *)x + r0 * k * size, rows, k, base + blk * bytes,
+                          base + (blk + half) * bytes, b ? (const char *)b + blk * BW * size : NULL,
+                          b ? (const char *)b + (inter + blk * BW) * size : NULL,
+                          (char *)y + (r0 * inter + blk * BW) * size, inter,
+                          after >= 0 ? base + after * bytes : NULL, after >= 0 ? base + (after + half) * bytes : NULL);
+            }
+        }
     }
 }
 
@@ -186,6 +316,7 @@ static inline __attribute__((always_inline)) void product(int kind, const void *
                                                            const void *b, void *y, int64_t m, int64_t n, int64_t k,
                                                            int64_t threads) {
     const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2;
+    const int64_t out = kind == BF16_PAIRS ? 2 : 4; /* bytes per output */
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
         /* A thread takes the same run of blocks in every chunk, so no thread waits on another; after its last
@@ -198,12 +329,44 @@ static inline __attribute__((always_inline)) void product(int kind, const void *
                 const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
                 const int64_t after = blk + 1 < end ? blk + 1 : r0 + chunk < m ? first : -1;
                 block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
-                           b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * size, n, width,
+                           b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * out, n, width,
                            after >= 0 ? (const char *)packed + after * k * BW * size : NULL);
             }
         }
     }
 }
+
+/* hearth_gemm_bf16 with y [m, n] fp32: each output the bf16 value that entry point stores, widened (the LM head's
+ * logits, which sampling reads in fp32: no separate conversion pass over them). */
+void hearth_gemm_bf16_wide(const uint16_t *x, const uint16_t *packed, const uint16_t *b, float *y, int64_t m,
+                           int64_t n, int64_t k, int64_t threads, float *xf) {
+    (void)xf;
+#ifdef __AVX512BF16__
+    product(BF16_WIDE, x, packed, b, y, m, n, k, threads);
+#else
+    (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
+#endif
+}
+
+/* silu(gate) * up from a fused [gate; up] weight of 2 * inter outputs (inter % BW == 0, see
+ * hearth_gemm_block_width): the arguments of hearth_gemm_f32 / _bf16 with n = inter, y [m, inter]. */
+void hearth_gemm_silu_f32(const float *x, const float *packed, const float *b, float *y, int64_t m, int64_t inter,
+                          int64_t k, int64_t threads) {
+    product_silu(F32, x, packed, b, y, m, inter, k, threads);
+}
+
+void hearth_gemm_silu_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b, uint16_t *y, int64_t m,
+                           int64_t inter, int64_t k, int64_t threads, float *xf) {
+    (void)xf;
+#ifdef __AVX512BF16__
+    product_silu(BF16_PAIRS, x, packed, b, y, m, inter, k, threads);
+#else
+    (void)x, (void)packed, (void)b, (void)y, (void)m, (void)inter, (void)k, (void)threads;
+#endif
+}
+
+/* Outputs per block: a fused gate/up weight takes the SiLU entry points where its halves are whole blocks. */
+int64_t hearth_gemm_block_width(void) { return BW; }
 
 /* The rows per chunk (tests walk across its boundaries) and per register tile. */
 int64_t hearth_gemm_chunk_rows(void) { return CHUNK_ROWS; }

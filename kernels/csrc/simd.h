@@ -108,8 +108,19 @@ static inline __m512 round16_bf16(__m512 v) {
 }
 #endif
 
+/* silu(g) = g / (1 + exp(-g)), eight lanes (fused.c's SiLU * up, gemm.c's gate/up products). */
+static inline __m256 silu8(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+#ifdef __AVX512F__
+static inline __m512 silu16(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+#endif
+
 /* The widest fp32 vector this build has (VL lanes: 16 with AVX-512, 8 with AVX2), for kernels written once for
- * both: zero, load, broadcast, multiply-add, add, store. */
+ * both: zero, load, broadcast, multiply-add, add, store, multiply, SiLU. */
 #ifdef __AVX512F__
 #define VL 16
 typedef __m512 vec;
@@ -119,6 +130,8 @@ static inline vec vbcast(const float *p) { return _mm512_set1_ps(*p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vsilu(vec g) { return silu16(g); }
 #else
 #define VL 8
 typedef __m256 vec;
@@ -128,6 +141,8 @@ static inline vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vsilu(vec g) { return silu8(g); }
 #endif
 
 #ifdef __AVX512BF16__

@@ -89,3 +89,25 @@ def test_switch_off_keeps_the_python_forward(tiny_models: dict[str, Path], monke
     monkeypatch.setenv("HEARTH_CPU_DECODE_LAYER", "off")
     llm = LLM(tiny_models["llama"], EngineConfig(device="cpu", dtype="float32", kv_cache_memory="16MiB"))
     assert llm.engine.runner.model.decode_stack is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gate_up_with_silu_in_one_product_gives_the_separate_ops_results(
+        isa: str, tiny_models: dict[str, Path], dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GEMM takes the gate/up weight, products of many rows (prompts; steps of three sequences, in the
+    one-call layers too) compute SiLU * up in the same call: the same tokens and logprobs as the product followed
+    by the SiLU kernel (HEARTH_CPU_GEMM_SILU=off)."""
+    config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
+                          enable_prefix_caching=False)
+    llm = LLM(tiny_models["qwen2"], config)
+    model = llm.engine.runner.model
+    assert model.gate_up_silu == model.layers[0].gate_up.gemm  # intermediate 128: whole blocks on both builds
+    if not model.gate_up_silu:
+        pytest.skip("bf16 products of many rows go to oneDNN on this build")
+    assert all(spec.gate_up_silu for spec in model.decode_stack.specs)
+    fused = _outputs(llm, PROMPTS)
+    monkeypatch.setenv("HEARTH_CPU_GEMM_SILU", "off")
+    separate = LLM(tiny_models["qwen2"], config)
+    assert not separate.engine.runner.model.gate_up_silu
+    assert not any(spec.gate_up_silu for spec in separate.engine.runner.model.decode_stack.specs)
+    assert fused == _outputs(separate, PROMPTS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inference import LLM, EngineConfig, InvalidRequestError, SamplingParams
+from inference.spec.drafter import Draft, DraftRequest
 from inference.spec.settings import SpecMode, SpeculationSettings
 from tests.engine.conftest import SMOLLM, build_tiny_model, require_installed
 
@@ -178,3 +179,27 @@ def test_smollm2_ngram_greedy_identical_on_input_grounded_prompt() -> None:
     spec = spec_llm.chat([messages], params)[0]
     assert spec.token_ids == plain.token_ids
     assert spec_llm.engine.metrics().spec_accepted > 0
+
+
+class _NextId:
+    """Drafts k copies of the id after the last token's: mostly rejected, so an adaptive k shrinks."""
+
+    name = "next-id"
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft([int(r.token_ids[-1]) + 1] * r.k) for r in requests]
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_fixed_draft_length_when_the_policy_is_not_adaptive(tiny_llama, adaptive: bool) -> None:
+    llm = _llm(tiny_llama, speculation="ngram", num_speculative_tokens=4, spec_min_acceptance=0.0)
+    llm.engine.spec.drafters[SpecMode.NGRAM] = _NextId()
+    llm.engine.spec.policy.adaptive_k = adaptive
+    stats = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].speculation
+    assert stats is not None and stats["steps"] > 10
+    per_step = stats["proposed"] / stats["steps"]
+    # adaptive: after the first rejections one token a step; fixed: k = 4 but where max_tokens leaves less room
+    assert per_step < 1.5 if adaptive else per_step > 3.5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inference.models.layers import Linear
-from kernels import cpu_gemv
+from kernels import cpu_fused, cpu_gemv
 
 pytestmark = [pytest.mark.skipif(cpu_gemv._gemm_library() is None,
                                  reason="the CPU GEMM kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -111,3 +111,42 @@ def test_linear_sends_many_rows_to_gemm(monkeypatch: pytest.MonkeyPatch) -> None
     off = Linear(w, b)
     assert not off.gemm and off.weight is not None
     _close(off(x[0]), x[0], w, b)
+
+
+@pytest.mark.parametrize("rows", [3, 11, 12, 13, 32, 97, 200])
+def test_gate_up_with_silu_is_the_product_then_silu_mul_bit_for_bit(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    lib = cpu_gemv._gemm_library()
+    assert lib is not None
+    block = int(lib.hearth_gemm_block_width())
+    dtypes = [torch.float32] + ([torch.bfloat16] if _bf16_pairs() else [])
+    for dtype in dtypes:
+        for inter, k, with_bias in ((block, 64, False), (3 * block, 576, True), (5 * block, 130, False)):
+            w = (torch.randn(2 * inter, k, generator=gen) / k ** 0.5).to(dtype)
+            bias = torch.randn(2 * inter, generator=gen).to(dtype) if with_bias else None
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            packed = cpu_gemv.pack(w)
+            got = cpu_gemv.gemm_silu(x, packed, bias)
+            assert got.shape == (rows, inter) and got.dtype == dtype
+            assert torch.equal(got, cpu_fused.silu_mul(cpu_gemv.gemm(x, packed, bias)))
+    # halves that are not whole blocks (or an odd number of outputs) have no fused entry point
+    assert cpu_gemv.gemm_silu_kernel(cpu_gemv.pack(torch.randn(2 * block + 2, 8))) is None
+    assert cpu_gemv.gemm_silu_kernel(cpu_gemv.pack(torch.randn(2 * block + 1, 8))) is None
+
+
+@pytest.mark.parametrize("rows", [3, 12, 32, 100])
+def test_fp32_outputs_are_the_bf16_products_widened(rows: int) -> None:
+    """The LM head's logits: `gemm_fp32` stores each bf16 output widened, in the same pass (partial last blocks
+    and biases included); fp32 weights and other builds take the product then `.float()`."""
+    gen = torch.Generator().manual_seed(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k, with_bias in ((1000, 64, False), (77, 130, True)):
+            w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+            bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            layer = Linear(w, bias)
+            want = layer(x).float()
+            got = layer.fp32(x)
+            assert got.dtype == torch.float32 and torch.equal(got, want)
+            if layer.gemm:
+                assert torch.equal(cpu_gemv.gemm_fp32(x, layer.gemv_weight, bias), want)
