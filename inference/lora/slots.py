@@ -233,10 +233,14 @@ class LoRABatch:
         self.slot = slot  # stacked: each row's slot, -1 for none
         self.order, self.spans = order, spans  # packed: rows sorted by slot, and each slot's range of them
 
+    def touches(self, layer: int, fused: str) -> bool:
+        """Whether any adapter of this step changes that projection of that layer."""
+        return any((layer, fused) in self.slots.slots[s].targets for s in self.present)
+
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         key = (layer, fused)
         slots = self.slots
-        if not any(key in slots.slots[s].targets for s in self.present):
+        if not self.touches(layer, fused):
             return y
         if self.slot is not None:
             from kernels import triton_lora

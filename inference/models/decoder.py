@@ -264,7 +264,8 @@ class DecoderLM:
                 h, x = self._add_norm(h, self._norm(x, layer.post_attn_norm), layer.pre_ffn_norm)
             else:
                 h, x = self._add_norm(h, x, layer.post_attn_norm)
-            if self.gate_up_silu and batch.lora is None and x.shape[0] > cpu_gemv.MAX_ROWS:
+            if (self.gate_up_silu and x.shape[0] > cpu_gemv.MAX_ROWS
+                    and (batch.lora is None or not batch.lora.touches(index, "gate_up"))):
                 x = cpu_gemv.gemm_silu(x, *layer.gate_up.kernel_weight())
             else:
                 gate_up = layer.gate_up(x)

@@ -126,6 +126,7 @@ def test_a_replica_killed_under_load_gives_clean_answers_and_the_fleet_recovers(
     _, victim = chat(client, [{"role": "user", "content": "warm up the victim"}], "victim-session")
     outcomes: list[str] = []
     lock = threading.Lock()
+    begun = threading.Event()  # a stream on the victim has produced its first chunk
 
     def one(i: int) -> None:
         messages = [{"role": "user", "content": f"Write a long story number {i}."}]
@@ -134,7 +135,11 @@ def test_a_replica_killed_under_load_gives_clean_answers_and_the_fleet_recovers(
             if i % 3 == 0:
                 stream = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=400,
                                                         temperature=0, stream=True, extra_headers=headers)
-                chunks = list(stream)
+                chunks = []
+                for chunk in stream:
+                    chunks.append(chunk)
+                    if i % 2:
+                        begun.set()
                 assert chunks[-1].choices[0].finish_reason in ("stop", "length")
                 result = "stream-ok"
             else:
@@ -155,7 +160,9 @@ def test_a_replica_killed_under_load_gives_clean_answers_and_the_fleet_recovers(
     before = len(running_replicas())
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(8)]
-        time.sleep(1.0)
+        # Kill once a stream on the victim is under way: a fixed delay raced the requests' arrival, and when no
+        # stream had begun there yet, none could end in an error event.
+        assert begun.wait(timeout=60)
         kill(victim)
         for f in futures:
             f.result()  # an unexpected exception (a 500, a cut connection) fails the test here
