@@ -25,11 +25,15 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+# Fewer rows stay on torch: its argmax of a few rows costs little, and waking a second thread for one is no gain.
+MIN_ROWS = 4
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [rows, n] -> int64 [rows]: the index of each row's largest value, as torch.argmax(x, dim=-1)."""
     lib = _library()
     if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1
-            or x.shape[-1] == 0 or x.shape[-1] >= 2**31):
+            or x.shape[0] < MIN_ROWS or x.shape[-1] == 0 or x.shape[-1] >= 2**31):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.hearth_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
