@@ -92,7 +92,6 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """self(x).float(): on the GEMM in bf16, in the same pass (cpu_gemv.gemm_fp32)."""
         if self.gemm and self.gemv_weight is not None and x.dim() == 2 and x.shape[0] > cpu_gemv.MAX_ROWS:
