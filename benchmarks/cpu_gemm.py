@@ -1,5 +1,5 @@
 """The GEMM of many rows (kernels/csrc/gemm.c) against oneDNN's packed products it replaces: fp32 on every
-build, bf16 where the CPU has AVX-512 BF16 dot products.
+build, bf16 where the CPU has AVX-512 BF16 dot products (on AMX tiles where it has those: csrc/gemm_amx.h).
 
     python -m benchmarks.run --only cpu_gemm
 
@@ -108,7 +108,8 @@ def _passes(pairs: int, new_tokens: int, dtype: torch.dtype) -> dict[str, Any]:
     finally:
         if stack is not None:
             stack.many_rows = many_rows
-    engine = "oneDNN (AMX tiles)" if dtype == torch.bfloat16 and cpu_gemv.amx_bf16() else "GEMM"
+    amx = dtype == torch.bfloat16 and cpu_gemv.amx_bf16()
+    engine = ("GEMM (AMX tiles)" if cpu_gemv.gemm_amx() else "oneDNN (AMX tiles)") if amx else "GEMM"
     return passes | {"dtype": name, "layers": len(routed), "of": len(linears), "engine_default": engine}
 
 

@@ -21,10 +21,11 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the ker
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-# Where the CPU has them, kernels may also use 16-lane loops (`#ifdef __AVX512F__`) and AVX-512 BF16 dot
-# products (`#ifdef __AVX512BF16__`).
+# Where the CPU has them, kernels may also use 16-lane loops (`#ifdef __AVX512F__`), AVX-512 BF16 dot
+# products (`#ifdef __AVX512BF16__`) and AMX tiles (`#ifdef __AMX_BF16__`).
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")
 BF16_FLAGS = ("-mavx512bf16",)
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 
 
 def cpu_has(*flags: str) -> bool:
@@ -39,11 +40,15 @@ def cpu_has(*flags: str) -> bool:
 
 
 def flags() -> tuple[str, ...]:
-    """This machine's compiler flags: the AVX2 baseline, plus AVX-512 (and its BF16 dot products) where the CPU
-    has them. HEARTH_CPU_AVX512=off keeps the baseline (the AVX2 paths, on any machine: tests and comparisons)."""
+    """This machine's compiler flags: the AVX2 baseline, plus AVX-512 (and its BF16 dot products, and AMX tiles)
+    where the CPU has them. HEARTH_CPU_AVX512=off keeps the baseline (the AVX2 paths, on any machine: tests and
+    comparisons); HEARTH_CPU_AMX=off leaves the tiles out."""
     if os.environ.get("HEARTH_CPU_AVX512", "auto") == "off" or not cpu_has("avx512f", "avx512bw"):
         return FLAGS
-    return FLAGS + AVX512_FLAGS + (BF16_FLAGS if cpu_has("avx512_bf16") else ())
+    if not cpu_has("avx512_bf16"):
+        return FLAGS + AVX512_FLAGS
+    amx = os.environ.get("HEARTH_CPU_AMX", "auto") != "off" and cpu_has("amx_tile", "amx_bf16")
+    return FLAGS + AVX512_FLAGS + BF16_FLAGS + (AMX_FLAGS if amx else ())
 
 
 def cache_dir() -> Path:

@@ -58,7 +58,7 @@ def _gemm_library() -> ctypes.CDLL | None:
         lib.hearth_gemm_f32.restype = lib.hearth_gemm_bf16.restype = None
         lib.hearth_gemm_silu_f32.restype = lib.hearth_gemm_silu_bf16.restype = None
         for fn in (lib.hearth_gemm_chunk_rows, lib.hearth_gemm_tile_rows, lib.hearth_gemm_bf16_pairs,
-                   lib.hearth_gemm_block_width):
+                   lib.hearth_gemm_block_width, lib.hearth_gemm_amx):
             fn.argtypes, fn.restype = [], ctypes.c_int64
     return lib
 
@@ -202,21 +202,27 @@ def gemm_silu(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = N
 
 @functools.cache
 def amx_bf16() -> bool:
-    """Whether this CPU multiplies bf16 on AMX tiles (Intel Sapphire Rapids and later). oneDNN's packed products
-    use them, and from three rows on they outrun our AVX-512 BF16 GEMM severalfold (docs/benchmarks.md,
-    cpu_gemm); one or two rows still stream the weights faster through `gemv`."""
+    """Whether this CPU multiplies bf16 on AMX tiles (Intel Sapphire Rapids and later)."""
     return cpu_build.cpu_has("amx_bf16", "amx_tile")
+
+
+def gemm_amx() -> bool:
+    """Whether the GEMM's bf16 products run on AMX tiles (csrc/gemm_amx.h): a CPU and build with them
+    (HEARTH_CPU_AMX=off builds without) and a process Linux lets use them; then for k a multiple of 32."""
+    lib = _gemm_library()
+    return lib is not None and bool(lib.hearth_gemm_amx())
 
 
 def gemm_supports(weight: GemvWeight) -> bool:
     """Whether products of many rows with this weight go to `gemm` rather than to oneDNN: wherever it has an
     entry point for the weight (ahead of oneDNN's packed products in both dtypes where measured:
-    docs/benchmarks.md), except bf16 on a CPU with AMX, where oneDNN's products run on the tiles.
-    HEARTH_CPU_GEMM=off never uses it, =on uses it on AMX too (to compare)."""
+    docs/benchmarks.md), except bf16 on a CPU with AMX tiles that the GEMM does not use (a build with
+    HEARTH_CPU_AMX=off), where oneDNN's products run on the tiles and outrun its AVX-512 dot products
+    severalfold. HEARTH_CPU_GEMM=off never uses it, =on uses it there too (to compare)."""
     mode = os.environ.get("HEARTH_CPU_GEMM", "auto")
     if mode == "off" or gemm_kernel(weight) is None:
         return False
-    return mode == "on" or not (weight.dtype == torch.bfloat16 and amx_bf16())
+    return mode == "on" or not (weight.dtype == torch.bfloat16 and amx_bf16() and not gemm_amx())
 
 
 def gemm(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

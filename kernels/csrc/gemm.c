@@ -152,10 +152,32 @@ static inline __attribute__((always_inline)) void tile(int kind, int M, const vo
     _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) store_row(kind, acc[r], b, (char *)y + r * n * out, width);
 }
 
+/* One row of silu(gate) * up for one block's BW outputs: g the gate sums (fp32), up the up sums. In bf16 each of
+ * gate, up and silu(gate) is rounded as the separate product and fused.c's SiLU * up round them, so the result is
+ * theirs bit for bit; fp32 has nothing to round. */
+static inline __attribute__((always_inline)) void store_silu_row(int kind, const float g[BW], const vec up[NB],
+                                                                  const void *b_gate, const void *b_up, void *row) {
+    for (int v = 0; v < NB; v++) {
+        vec gv = vload_f32(g + v * VL), uv = up[v];
+#ifdef __AVX512BF16__
+        if (kind == BF16_PAIRS) {
+            const uint16_t *bg = (const uint16_t *)b_gate, *bu = (const uint16_t *)b_up;
+            gv = round16_bf16(bg ? vadd(gv, widen16_bf16(bg + v * VL)) : gv);
+            uv = round16_bf16(bu ? vadd(uv, widen16_bf16(bu + v * VL)) : uv);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)row + v * VL),
+                                narrow16_bf16(vmul(round16_bf16(vsilu(gv)), uv)));
+            continue;
+        }
+#endif
+        if (b_gate) gv = vadd(gv, vload_f32((const float *)b_gate + v * VL));
+        if (b_up) uv = vadd(uv, vload_f32((const float *)b_up + v * VL));
+        vstore((float *)row + v * VL, vmul(vsilu(gv), uv));
+    }
+}
+
 /* y = silu(gate) * up for rows [0, M) and one block's BW outputs of each half of a fused gate/up weight: the gate
- * block's sums wait in an L1-resident buffer while the up block's are computed, then both meet in registers. In
- * bf16 each of gate, up and silu(gate) is rounded as the separate product and fused.c's SiLU * up round them, so
- * the result is theirs bit for bit; fp32 has nothing to round. pf_gate and pf_up: what each half prefetches. */
+ * block's sums wait in an L1-resident buffer while the up block's are computed, then both meet in registers.
+ * pf_gate and pf_up: what each half prefetches. */
 static inline __attribute__((always_inline)) void tile_silu(int kind, int M, const void *x, int64_t k,
                                                              const void *gate, const void *up, const void *b_gate,
                                                              const void *b_up, void *y, int64_t n, prefetch *pf_gate,
@@ -169,25 +191,8 @@ static inline __attribute__((always_inline)) void tile_silu(int kind, int M, con
         vstore(g[r] + VL, acc[r][1]);
     }
     tile_sums(kind, M, x, k, up, pf_up, acc);
-    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++) {
-        char *row = (char *)y + r * n * size;
-        for (int v = 0; v < NB; v++) {
-            vec gv = vload_f32(g[r] + v * VL), uv = acc[r][v];
-#ifdef __AVX512BF16__
-            if (kind == BF16_PAIRS) {
-                const uint16_t *bg = (const uint16_t *)b_gate, *bu = (const uint16_t *)b_up;
-                gv = round16_bf16(bg ? vadd(gv, widen16_bf16(bg + v * VL)) : gv);
-                uv = round16_bf16(bu ? vadd(uv, widen16_bf16(bu + v * VL)) : uv);
-                _mm256_storeu_si256((__m256i *)((uint16_t *)row + v * VL),
-                                    narrow16_bf16(vmul(round16_bf16(vsilu(gv)), uv)));
-                continue;
-            }
-#endif
-            if (b_gate) gv = vadd(gv, vload_f32((const float *)b_gate + v * VL));
-            if (b_up) uv = vadd(uv, vload_f32((const float *)b_up + v * VL));
-            vstore((float *)row + v * VL, vmul(vsilu(gv), uv));
-        }
-    }
+    _Pragma("GCC unroll 12") for (int r = 0; r < M; r++)
+        store_silu_row(kind, g[r], acc[r], b_gate, b_up, (char *)y + r * n * size);
 }
 
 /* A tile of M rows, M in [1, MR] known only at run time: one inlined copy per height. */
@@ -336,11 +341,30 @@ static inline __attribute__((always_inline)) void product(int kind, const void *
     }
 }
 
+#ifdef __AMX_BF16__
+#include "gemm_amx.h"
+#else
+static inline int amx_takes(int64_t k) {
+    (void)k;
+    return 0;
+}
+#endif
+
+/* Whether bf16 products run on AMX tiles here (a build with them, and the process allowed to use them) where k is
+ * a multiple of 32. */
+int64_t hearth_gemm_amx(void) { return amx_takes(32); }
+
 /* hearth_gemm_bf16 with y [m, n] fp32: each output the bf16 value that entry point stores, widened (the LM head's
  * logits, which sampling reads in fp32: no separate conversion pass over them). */
 void hearth_gemm_bf16_wide(const uint16_t *x, const uint16_t *packed, const uint16_t *b, float *y, int64_t m,
                            int64_t n, int64_t k, int64_t threads, float *xf) {
     (void)xf;
+#ifdef __AMX_BF16__
+    if (amx_takes(k)) {
+        amx_product(BF16_WIDE, x, packed, b, y, m, n, k, threads, 0);
+        return;
+    }
+#endif
 #ifdef __AVX512BF16__
     product(BF16_WIDE, x, packed, b, y, m, n, k, threads);
 #else
@@ -358,6 +382,12 @@ void hearth_gemm_silu_f32(const float *x, const float *packed, const float *b, f
 void hearth_gemm_silu_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b, uint16_t *y, int64_t m,
                            int64_t inter, int64_t k, int64_t threads, float *xf) {
     (void)xf;
+#ifdef __AMX_BF16__
+    if (amx_takes(k)) {
+        amx_product(BF16_PAIRS, x, packed, b, y, m, inter, k, threads, 1);
+        return;
+    }
+#endif
 #ifdef __AVX512BF16__
     product_silu(BF16_PAIRS, x, packed, b, y, m, inter, k, threads);
 #else
@@ -394,6 +424,12 @@ void hearth_gemm_f32(const float *x, const float *packed, const float *b, float 
 void hearth_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b, uint16_t *y, int64_t m, int64_t n,
                       int64_t k, int64_t threads, float *xf) {
     (void)xf;
+#ifdef __AMX_BF16__
+    if (amx_takes(k)) {
+        amx_product(BF16_PAIRS, x, packed, b, y, m, n, k, threads, 0);
+        return;
+    }
+#endif
 #ifdef __AVX512BF16__
     product(BF16_PAIRS, x, packed, b, y, m, n, k, threads);
 #else

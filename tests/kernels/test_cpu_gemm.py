@@ -8,6 +8,7 @@ import torch
 
 from inference.models.layers import Linear
 from kernels import cpu_fused, cpu_gemv
+from tests.cpu_builds import forget_libraries
 
 pytestmark = [pytest.mark.skipif(cpu_gemv._gemm_library() is None,
                                  reason="the CPU GEMM kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -102,9 +103,10 @@ def test_linear_sends_many_rows_to_gemm(monkeypatch: pytest.MonkeyPatch) -> None
     got = layer(x)
     assert got.shape == (2, 5, 200)
     _close(got.reshape(10, 200), x.reshape(10, 128), w, b)
-    # bf16 takes the GEMM where the build has its dot products, else oneDNN; and oneDNN where the CPU has AMX,
-    # whose tiles it uses (HEARTH_CPU_GEMM=on keeps the GEMM there, to compare)
-    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm == (_bf16_pairs() and not cpu_gemv.amx_bf16())
+    # bf16 takes the GEMM where the build has its dot products, else oneDNN; and oneDNN where the CPU has AMX
+    # tiles the GEMM does not use, as oneDNN does (HEARTH_CPU_GEMM=on keeps the GEMM there, to compare)
+    tiles_elsewhere = cpu_gemv.amx_bf16() and not cpu_gemv.gemm_amx()
+    assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm == (_bf16_pairs() and not tiles_elsewhere)
     monkeypatch.setenv("HEARTH_CPU_GEMM", "on")
     assert Linear(torch.randn(16, 16, dtype=torch.bfloat16)).gemm == _bf16_pairs()
     monkeypatch.setenv("HEARTH_CPU_GEMM", "off")
@@ -150,3 +152,40 @@ def test_fp32_outputs_are_the_bf16_products_widened(rows: int) -> None:
             assert got.dtype == torch.float32 and torch.equal(got, want)
             if layer.gemm:
                 assert torch.equal(cpu_gemv.gemm_fp32(x, layer.gemv_weight, bias), want)
+
+
+def _amx() -> None:
+    if not cpu_gemv.gemm_amx():
+        pytest.skip("the GEMM runs bf16 on AMX tiles only on a CPU with them (Intel Sapphire Rapids and later)")
+
+
+# x tiles of 16 rows, two a pass: every remainder of a group, both heights of a pass, across chunk ends
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 31, 32, 33, 47, 48, 95, 96, 97, 130])
+def test_amx_tiles_match_the_reference_and_the_dot_products(rows: int, monkeypatch: pytest.MonkeyPatch,
+                                                            isa: str) -> None:
+    """On AMX tiles (k a multiple of 32; other k keep the AVX-512 BF16 tiles): each output within one bf16 step
+    of the exact product, like the AVX-512 BF16 build's, which it matches closely; the SiLU and widened entry
+    points give the product's own results bit for bit there too."""
+    _amx()
+    gen = torch.Generator().manual_seed(rows)
+    shapes = ((33, 32, True), (96, 896, False), (64, 1536, True), (40, 66, True))  # partial blocks; k not on tiles
+    cases = []
+    for n, k, with_bias in shapes:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+        packed = cpu_gemv.pack(w)
+        got = cpu_gemv.gemm(x, packed, bias)
+        _close_bf16(got, x, w, bias)
+        assert torch.equal(cpu_gemv.gemm_fp32(x, packed, bias), got.float())
+        if cpu_gemv.gemm_silu_kernel(packed) is not None:
+            assert torch.equal(cpu_gemv.gemm_silu(x, packed, bias), cpu_fused.silu_mul(got))
+        cases.append((x, packed, bias, got))
+    monkeypatch.setenv("HEARTH_CPU_AMX", "off")
+    forget_libraries()
+    assert not cpu_gemv.gemm_amx() and cpu_gemv.gemm_kernel(cases[0][1]) is not None
+    for x, packed, bias, got in cases:
+        # the same sums in another order: at most one bf16 step apart, mostly equal
+        dots = cpu_gemv.gemm(x, packed, bias)
+        torch.testing.assert_close(got.float(), dots.float(), rtol=2 ** -7, atol=1e-5)
+        assert (got == dots).float().mean() > 0.9

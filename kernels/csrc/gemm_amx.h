@@ -1,0 +1,164 @@
+/* gemm.c's bf16 products on AMX tiles (Intel Sapphire Rapids and later), where the build has them (-mamx-tile
+ * -mamx-bf16) and Linux lets the process use them: included by gemm.c, whose entry points come here for k a
+ * multiple of 32 and fall back to the AVX-512 BF16 register tiles otherwise.
+ *
+ * One tile multiply (tdpbf16ps) adds a 16 x 32 bf16 tile of x times a 32 x 16 tile of weights into 16 x 16 fp32
+ * sums: 16,384 flops an instruction against 64 for an AVX-512 BF16 dot product. oneDNN's products run on the
+ * tiles too, which put them 2-12x ahead of the AVX-512 GEMM on such a CPU (docs/benchmarks.md, cpu_gemm), and so
+ * the engine sent bf16 steps of many rows there, through the Python forward; with the tiles here the one-call C
+ * layers of csrc/decode_layer.c run those steps as well.
+ *
+ * No repacking: gemv.c's layout of a block, k-pair-major [k / 2][BW = 32][2], is already what a weight tile reads
+ * (each of its 16 rows a pair of k for 16 outputs, 64 bytes): the tile of outputs [16h, 16h + 16) and k-pairs
+ * [16j, 16j + 16) starts 2048 j + 64 h bytes into the block, rows 128 bytes apart. x tiles read 16 rows of x in
+ * place (rows 2k bytes apart); the rows past m of a last partial group come from a zero-padded copy.
+ *
+ * Eight tiles: sums for rows [0, 16) and [16, 32) by the block's two halves (0-3), two x tiles (4, 5), two weight
+ * tiles (6, 7); a weight tile is loaded once for 32 rows. Each block's sums are stored to an L1 buffer and go
+ * through gemm.c's row epilogues (bias, rounding, SiLU * up), so each output is rounded once, as there.
+ */
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16 /* rows of an x tile */
+#define AMX_K 32    /* k per tile multiply */
+
+static int amx_permitted;
+
+/* Linux hands out the tiles' 8 KB of register state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); a process that uses them without it is killed. oneDNN asks the same. */
+__attribute__((constructor)) static void amx_request(void) {
+    amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+static inline int amx_takes(int64_t k) { return amx_permitted && k % AMX_K == 0; }
+
+/* palette 1: eight tiles of 16 rows of 64 bytes (the layout ldtilecfg reads). Loading a configuration zeroes the
+ * tiles, so each thread loads it once, before its products. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static inline void amx_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = AMX_ROWS;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* sums [32][BW] = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k; x rows
+ * 2k bytes apart. Tile numbers are immediates, so the two heights are two loops. */
+static inline __attribute__((always_inline)) void amx_sums(int groups, const uint16_t *x0, const uint16_t *x1,
+                                                            int64_t k, const uint16_t *block, float sums[32][BW]) {
+    const int64_t stride = 2 * k, steps = k / AMX_K;
+    const char *w = (const char *)block;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (groups == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < steps; j++, w += 2048) {
+            _tile_loadd(6, w, 128);
+            _tile_loadd(7, w + 64, 128);
+            _tile_loadd(4, x0 + j * AMX_K, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, x1 + j * AMX_K, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, sums[16], BW * 4);
+        _tile_stored(3, sums[16] + 16, BW * 4);
+    } else
+        for (int64_t j = 0; j < steps; j++, w += 2048) {
+            _tile_loadd(6, w, 128);
+            _tile_loadd(7, w + 64, 128);
+            _tile_loadd(4, x0 + j * AMX_K, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    _tile_stored(0, sums[0], BW * 4);
+    _tile_stored(1, sums[0] + 16, BW * 4);
+}
+
+/* Row r of x, or of the zero-padded copy of the last partial group (tail, which holds rows [tail_from, m)). */
+static inline const uint16_t *amx_row(const uint16_t *x, const uint16_t *tail, int64_t tail_from, int64_t r,
+                                      int64_t k) {
+    return tail && r >= tail_from ? tail + (r - tail_from) * k : x + r * k;
+}
+
+/* Rows [r0, r0 + rows) of x times one block (outputs c0 on, width of them exist): gemm.c's block_rows on tiles.
+ * gate_up: the up block of the same outputs is `up`, and y gets silu(gate) * up (tile_silu's epilogue). */
+static inline __attribute__((always_inline)) void amx_block_rows(int kind, const uint16_t *x, const uint16_t *tail,
+                                                                  int64_t tail_from, int64_t r0, int64_t rows,
+                                                                  int64_t k, const uint16_t *block,
+                                                                  const uint16_t *up, const void *b, const void *b_up,
+                                                                  void *y, int64_t n, int64_t width) {
+    const int64_t out = kind == BF16_PAIRS ? 2 : 4; /* bytes per output */
+    float sums[32][BW], ups[32][BW];
+    for (int64_t g = 0; g < rows; g += 32) {
+        const int64_t r = r0 + g, here = rows - g < 32 ? rows - g : 32, groups = here > AMX_ROWS ? 2 : 1;
+        const uint16_t *x0 = amx_row(x, tail, tail_from, r, k), *x1 = amx_row(x, tail, tail_from, r + AMX_ROWS, k);
+        if (groups == 2)
+            amx_sums(2, x0, x1, k, block, sums);
+        else
+            amx_sums(1, x0, x0, k, block, sums);
+        if (up) {
+            if (groups == 2)
+                amx_sums(2, x0, x1, k, up, ups);
+            else
+                amx_sums(1, x0, x0, k, up, ups);
+        }
+        for (int64_t i = 0; i < here; i++) {
+            char *row = (char *)y + (r + i) * n * out;
+            if (up) {
+                const vec u[NB] = {vload_f32(ups[i]), vload_f32(ups[i] + VL)};
+                store_silu_row(kind, sums[i], u, b, b_up, row);
+            } else {
+                const vec s[NB] = {vload_f32(sums[i]), vload_f32(sums[i] + VL)};
+                store_row(kind, s, b, row, width);
+            }
+        }
+    }
+}
+
+/* gemm.c's product (inter > 0: product_silu, n = inter outputs of silu(gate) * up from 2 * inter packed) on
+ * tiles, for kind BF16_PAIRS or BF16_WIDE and k % AMX_K == 0: the same split of blocks between threads and
+ * chunks of rows. */
+static void amx_product(int kind, const uint16_t *x, const uint16_t *packed, const uint16_t *b, void *y, int64_t m,
+                        int64_t n, int64_t k, int64_t threads, int silu) {
+    const int64_t blocks = (n + BW - 1) / BW, bytes = k * BW, out = kind == BF16_PAIRS ? 2 : 4;
+    /* a last group of fewer than 16 rows reads them from a copy padded with zero rows */
+    const int64_t tail_from = m - m % AMX_ROWS;
+    uint16_t *tail = NULL;
+    if (m % AMX_ROWS) {
+        tail = calloc((size_t)(AMX_ROWS * k), sizeof *tail);
+        if (!tail) return;
+        memcpy(tail, x + tail_from * k, (size_t)((m - tail_from) * k) * sizeof *tail);
+    }
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t first = blocks * t / team, end = blocks * (t + 1) / team;
+        amx_configure();
+        for (int64_t r0 = 0; r0 < m; r0 += CHUNK_ROWS) {
+            const int64_t rows = m - r0 < CHUNK_ROWS ? m - r0 : CHUNK_ROWS;
+            for (int64_t blk = first; blk < end; blk++) {
+                const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
+                const uint16_t *bias = b ? b + c0 : NULL, *bias_up = b && silu ? b + n + c0 : NULL;
+                amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes,
+                               silu ? packed + (blk + blocks) * bytes : NULL, bias, bias_up,
+                               (char *)y + c0 * out, n, width);
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+}
