@@ -9,8 +9,8 @@ half the bytes: sums in fp32, each output rounded once (as oneDNN's bf16 product
 
 Products of more rows are compute-bound. `gemm` runs them on the same packed weights with register tiles of 6
 rows (AVX2) or 12 (AVX-512) (`csrc/gemm.c`), in fp32, and in bf16 on builds with AVX-512 BF16 dot products; it
-is level with or ahead of oneDNN's packed products in both (docs/benchmarks.md). bf16 without those dot
-products goes to oneDNN. `gemm_silu` computes an MLP's silu(gate) * up straight from its fused gate/up weight,
+is level with or ahead of oneDNN's packed products in both (docs/benchmarks.md); on a CPU with AMX tiles its bf16
+products run on them (`csrc/gemm_amx.h`, for k a multiple of 32). bf16 without those dot products goes to oneDNN. `gemm_silu` computes an MLP's silu(gate) * up straight from its fused gate/up weight,
 and `gemm_fp32` stores bf16 products widened (logits): each the separate steps' results, in one pass.
 
 Built by kernels/cpu_build. Without a C compiler, AVX2 and FMA, or with HEARTH_CPU_GEMV=off (or

@@ -23,6 +23,9 @@
 
 #define AMX_ROWS 16 /* rows of an x tile */
 #define AMX_K 32    /* k per tile multiply */
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 8 /* steps of k (2 KB of weights each) fetched ahead */
+#endif
 
 static int amx_permitted;
 
@@ -55,8 +58,19 @@ static inline void amx_configure(void) {
 
 /* sums [32][BW] = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k; x rows
  * 2k bytes apart. Tile numbers are immediates, so the two heights are two loops. */
-static inline __attribute__((always_inline)) void amx_sums(int groups, const uint16_t *x0, const uint16_t *x1,
-                                                            int64_t k, const uint16_t *block, float sums[32][BW]) {
+/* The 32 lines of weights `ahead` bytes on: a step's weight tiles wait on memory otherwise (the prefetchers do
+ * not follow tile loads well). Past a block's end this reads the thread's next block, which follows it. */
+static inline __attribute__((always_inline)) void amx_fetch(const char *w) {
+#if AMX_AHEAD > 0
+    _Pragma("GCC unroll 32") for (int l = 0; l < 32; l++) _mm_prefetch(w + AMX_AHEAD * 2048 + 64 * l, _MM_HINT_T0);
+#else
+    (void)w;
+#endif
+}
+
+static inline __attribute__((always_inline)) void amx_sums(int groups, int fetch, const uint16_t *x0,
+                                                            const uint16_t *x1, int64_t k, const uint16_t *block,
+                                                            float sums[32][BW]) {
     const int64_t stride = 2 * k, steps = k / AMX_K;
     const char *w = (const char *)block;
     _tile_zero(0);
@@ -65,6 +79,7 @@ static inline __attribute__((always_inline)) void amx_sums(int groups, const uin
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t j = 0; j < steps; j++, w += 2048) {
+            if (fetch) amx_fetch(w);
             _tile_loadd(6, w, 128);
             _tile_loadd(7, w + 64, 128);
             _tile_loadd(4, x0 + j * AMX_K, stride);
@@ -78,6 +93,7 @@ static inline __attribute__((always_inline)) void amx_sums(int groups, const uin
         _tile_stored(3, sums[16] + 16, BW * 4);
     } else
         for (int64_t j = 0; j < steps; j++, w += 2048) {
+            if (fetch) amx_fetch(w);
             _tile_loadd(6, w, 128);
             _tile_loadd(7, w + 64, 128);
             _tile_loadd(4, x0 + j * AMX_K, stride);
@@ -106,15 +122,16 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
     for (int64_t g = 0; g < rows; g += 32) {
         const int64_t r = r0 + g, here = rows - g < 32 ? rows - g : 32, groups = here > AMX_ROWS ? 2 : 1;
         const uint16_t *x0 = amx_row(x, tail, tail_from, r, k), *x1 = amx_row(x, tail, tail_from, r + AMX_ROWS, k);
+        /* the first pass over a block reads it from memory: only that one fetches ahead */
         if (groups == 2)
-            amx_sums(2, x0, x1, k, block, sums);
+            g == 0 ? amx_sums(2, 1, x0, x1, k, block, sums) : amx_sums(2, 0, x0, x1, k, block, sums);
         else
-            amx_sums(1, x0, x0, k, block, sums);
+            g == 0 ? amx_sums(1, 1, x0, x0, k, block, sums) : amx_sums(1, 0, x0, x0, k, block, sums);
         if (up) {
             if (groups == 2)
-                amx_sums(2, x0, x1, k, up, ups);
+                g == 0 ? amx_sums(2, 1, x0, x1, k, up, ups) : amx_sums(2, 0, x0, x1, k, up, ups);
             else
-                amx_sums(1, x0, x0, k, up, ups);
+                g == 0 ? amx_sums(1, 1, x0, x0, k, up, ups) : amx_sums(1, 0, x0, x0, k, up, ups);
         }
         for (int64_t i = 0; i < here; i++) {
             char *row = (char *)y + (r + i) * n * out;
