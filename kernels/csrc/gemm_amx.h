@@ -56,9 +56,7 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* sums [32][BW] = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k; x rows
- * 2k bytes apart. Tile numbers are immediates, so the two heights are two loops. */
-/* The 32 lines of weights `ahead` bytes on: a step's weight tiles wait on memory otherwise (the prefetchers do
+/* The 32 lines of weights AMX_AHEAD steps on: a step's weight tiles wait on memory otherwise (the prefetchers do
  * not follow tile loads well). Past a block's end this reads the thread's next block, which follows it. */
 static inline __attribute__((always_inline)) void amx_fetch(const char *w) {
 #if AMX_AHEAD > 0
@@ -68,6 +66,8 @@ static inline __attribute__((always_inline)) void amx_fetch(const char *w) {
 #endif
 }
 
+/* sums [32][BW] = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k; x rows
+ * 2k bytes apart. groups and fetch are constants once inlined: one loop each, no branch in it. */
 static inline __attribute__((always_inline)) void amx_sums(int groups, int fetch, const uint16_t *x0,
                                                             const uint16_t *x1, int64_t k, const uint16_t *block,
                                                             float sums[32][BW]) {
@@ -75,33 +75,27 @@ static inline __attribute__((always_inline)) void amx_sums(int groups, int fetch
     const char *w = (const char *)block;
     _tile_zero(0);
     _tile_zero(1);
-    if (groups == 2) {
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j = 0; j < steps; j++, w += 2048) {
-            if (fetch) amx_fetch(w);
-            _tile_loadd(6, w, 128);
-            _tile_loadd(7, w + 64, 128);
-            _tile_loadd(4, x0 + j * AMX_K, stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < steps; j++, w += 2048) {
+        if (fetch) amx_fetch(w);
+        _tile_loadd(6, w, 128);
+        _tile_loadd(7, w + 64, 128);
+        _tile_loadd(4, x0 + j * AMX_K, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (groups == 2) {
             _tile_loadd(5, x1 + j * AMX_K, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(2, sums[16], BW * 4);
-        _tile_stored(3, sums[16] + 16, BW * 4);
-    } else
-        for (int64_t j = 0; j < steps; j++, w += 2048) {
-            if (fetch) amx_fetch(w);
-            _tile_loadd(6, w, 128);
-            _tile_loadd(7, w + 64, 128);
-            _tile_loadd(4, x0 + j * AMX_K, stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
+    }
     _tile_stored(0, sums[0], BW * 4);
     _tile_stored(1, sums[0] + 16, BW * 4);
+    if (groups == 2) {
+        _tile_stored(2, sums[16], BW * 4);
+        _tile_stored(3, sums[16] + 16, BW * 4);
+    }
 }
 
 /* Row r of x, or of the zero-padded copy of the last partial group (tail, which holds rows [tail_from, m)). */

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.skipif(COMPILER is None or not cpu_build.cpu_has("avx2
 def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
     assert COMPILER is not None
     # The build's flags with -O0 after them: the same checks of the source, a fraction of the time.
-    command = [COMPILER, *cpu_build.flags(), "-O0", str(cpu_build.SOURCES / f"{name}.c"), "-o",
+    # An undeclared function is only a warning to C, and a library that cannot load: an error here.
+    command = [COMPILER, *cpu_build.flags(), "-O0", "-Werror=implicit-function-declaration",
+               str(cpu_build.SOURCES / f"{name}.c"), "-o",
                str(tmp_path / f"{name}.so"), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"{name}.c does not compile with {' '.join(cpu_build.flags())}:\n{result.stderr}"
