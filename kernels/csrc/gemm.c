@@ -12,9 +12,9 @@
  * on AVX-512, 12 x 2 of 32. The MR x NB chains of sums are independent, enough to keep both FMA pipes busy
  * through their latency.
  *
- * A thread takes whole blocks and sweeps them over CHUNK_ROWS rows at a time: each block of weights is read from
- * memory once per chunk and then from L1/L2 for every tile of the chunk's rows, whose x (221 KB at k = 576
- * fp32) stays in the caches meanwhile. Measured on the AVX2 EPYC of docs/benchmarks.md: chunks sized to keep x
+ * A thread takes whole blocks (dealt as deal.h says: a run of its own, then what is left of the others') and
+ * sweeps them over CHUNK_ROWS rows at a time: each block of weights is read from memory once per chunk and then
+ * from L1/L2 for every tile of the chunk's rows, whose x (221 KB at k = 576 fp32) stays in the caches meanwhile. Measured on the AVX2 EPYC of docs/benchmarks.md: chunks sized to keep x
  * within 256 KB (12 rows at Qwen's k = 4864) re-read the weights too often there (down projection 106-123
  * GFLOP/s against 122-143 for 48-96 rows), and blocking k as well gained nothing (the extra passes over y cost
  * what the smaller weight panels saved).
@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "deal.h"
 #include "simd.h"
 
 #define NB 2         /* vectors per block: the layout of gemv.c */
@@ -297,46 +298,48 @@ static inline __attribute__((always_inline)) void product_silu(int kind, const v
                                                                 const void *b, void *y, int64_t m, int64_t inter,
                                                                 int64_t k, int64_t threads) {
     const int64_t half = inter / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2, bytes = k * BW * size;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    const int64_t team_max = threads > 0 ? threads : 1;
+    deal_count counts[team_max];
+    for (int64_t i = 0; i < team_max; i++) atomic_init(&counts[i].taken, 0);
+#pragma omp parallel num_threads(team_max)
     {
-        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t first = half * t / team, end = half * (t + 1) / team;
-        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-            for (int64_t blk = first; blk < end; blk++) {
-                const int64_t after = blk + 1 < end ? blk + 1 : r0 + chunk < m ? first : -1;
-                const char *base = (const char *)packed;
-                silu_rows(kind, (const char *)x + r0 * k * size, rows, k, base + blk * bytes,
-                          base + (blk + half) * bytes, b ? (const char *)b + blk * BW * size : NULL,
-                          b ? (const char *)b + (inter + blk * BW) * size : NULL,
-                          (char *)y + (r0 * inter + blk * BW) * size, inter,
-                          after >= 0 ? base + after * bytes : NULL, after >= 0 ? base + (after + half) * bytes : NULL);
-            }
+        deal d = {half, (m + chunk - 1) / chunk, omp_get_num_threads(), counts};
+        const int64_t t = omp_get_thread_num();
+        const char *base = (const char *)packed;
+        int64_t c, after, blk;
+        while ((blk = deal_next(&d, t, &c, &after)) >= 0) {
+            const int64_t r0 = c * chunk, rows = m - r0 < chunk ? m - r0 : chunk;
+            silu_rows(kind, (const char *)x + r0 * k * size, rows, k, base + blk * bytes, base + (blk + half) * bytes,
+                      b ? (const char *)b + blk * BW * size : NULL,
+                      b ? (const char *)b + (inter + blk * BW) * size : NULL,
+                      (char *)y + (r0 * inter + blk * BW) * size, inter, after >= 0 ? base + after * bytes : NULL,
+                      after >= 0 ? base + (after + half) * bytes : NULL);
         }
     }
 }
 
-/* Every chunk of rows times every block, the blocks split between threads. */
+/* Every chunk of rows times every block, the blocks dealt between threads (deal.h). */
 static inline __attribute__((always_inline)) void product(int kind, const void *x, const void *packed,
                                                            const void *b, void *y, int64_t m, int64_t n, int64_t k,
                                                            int64_t threads) {
     const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2;
     const int64_t out = kind == BF16_PAIRS ? 2 : 4; /* bytes per output */
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    const int64_t team_max = threads > 0 ? threads : 1;
+    deal_count counts[team_max];
+    for (int64_t i = 0; i < team_max; i++) atomic_init(&counts[i].taken, 0);
+#pragma omp parallel num_threads(team_max)
     {
-        /* A thread takes the same run of blocks in every chunk, so no thread waits on another; after its last
-         * block of a chunk comes its first again, for the next chunk's rows. */
-        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t first = blocks * t / team, end = blocks * (t + 1) / team;
-        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-            const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-            for (int64_t blk = first; blk < end; blk++) {
-                const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
-                const int64_t after = blk + 1 < end ? blk + 1 : r0 + chunk < m ? first : -1;
-                block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
-                           b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * out, n, width,
-                           after >= 0 ? (const char *)packed + after * k * BW * size : NULL);
-            }
+        /* A thread takes its run of blocks in every chunk (deal.h): after its last block of a chunk comes its
+         * first again, for the next chunk's rows. */
+        deal d = {blocks, (m + chunk - 1) / chunk, omp_get_num_threads(), counts};
+        const int64_t t = omp_get_thread_num();
+        int64_t c, after, blk;
+        while ((blk = deal_next(&d, t, &c, &after)) >= 0) {
+            const int64_t r0 = c * chunk, rows = m - r0 < chunk ? m - r0 : chunk;
+            const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
+            block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
+                       b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * out, n, width,
+                       after >= 0 ? (const char *)packed + after * k * BW * size : NULL);
         }
     }
 }

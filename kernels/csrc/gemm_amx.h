@@ -141,8 +141,8 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
 }
 
 /* gemm.c's product (inter > 0: product_silu, n = inter outputs of silu(gate) * up from 2 * inter packed) on
- * tiles, for kind BF16_PAIRS or BF16_WIDE and k % AMX_K == 0: the same split of blocks between threads and
- * chunks of rows. */
+ * tiles, for kind BF16_PAIRS or BF16_WIDE and k % AMX_K == 0: the same items of blocks and chunks of rows, dealt
+ * between threads the same way (deal.h). */
 static void amx_product(int kind, const uint16_t *x, const uint16_t *packed, const uint16_t *b, void *y, int64_t m,
                         int64_t n, int64_t k, int64_t threads, int silu) {
     const int64_t blocks = (n + BW - 1) / BW, bytes = k * BW, out = kind == BF16_PAIRS ? 2 : 4;
@@ -154,20 +154,22 @@ static void amx_product(int kind, const uint16_t *x, const uint16_t *packed, con
         if (!tail) return;
         memcpy(tail, x + tail_from * k, (size_t)((m - tail_from) * k) * sizeof *tail);
     }
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    const int64_t team_max = threads > 0 ? threads : 1;
+    deal_count counts[team_max];
+    for (int64_t i = 0; i < team_max; i++) atomic_init(&counts[i].taken, 0);
+#pragma omp parallel num_threads(team_max)
     {
-        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t first = blocks * t / team, end = blocks * (t + 1) / team;
+        deal d = {blocks, (m + CHUNK_ROWS - 1) / CHUNK_ROWS, omp_get_num_threads(), counts};
+        const int64_t t = omp_get_thread_num();
+        int64_t c, after, blk;
         amx_configure();
-        for (int64_t r0 = 0; r0 < m; r0 += CHUNK_ROWS) {
-            const int64_t rows = m - r0 < CHUNK_ROWS ? m - r0 : CHUNK_ROWS;
-            for (int64_t blk = first; blk < end; blk++) {
-                const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
-                const uint16_t *bias = b ? b + c0 : NULL, *bias_up = b && silu ? b + n + c0 : NULL;
-                amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes,
-                               silu ? packed + (blk + blocks) * bytes : NULL, bias, bias_up,
-                               (char *)y + c0 * out, n, width);
-            }
+        while ((blk = deal_next(&d, t, &c, &after)) >= 0) {
+            const int64_t r0 = c * CHUNK_ROWS, rows = m - r0 < CHUNK_ROWS ? m - r0 : CHUNK_ROWS;
+            const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
+            const uint16_t *bias = b ? b + c0 : NULL, *bias_up = b && silu ? b + n + c0 : NULL;
+            amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes,
+                           silu ? packed + (blk + blocks) * bytes : NULL, bias, bias_up, (char *)y + c0 * out, n,
+                           width);
         }
         _tile_release();
     }

@@ -189,3 +189,33 @@ def test_amx_tiles_match_the_reference_and_the_dot_products(rows: int, monkeypat
         dots = cpu_gemv.gemm(x, packed, bias)
         torch.testing.assert_close(got.float(), dots.float(), rtol=2 ** -7, atol=1e-5)
         assert (got == dots).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_results_do_not_depend_on_how_the_threads_share_the_work(threads: int) -> None:
+    """Blocks are dealt in runs, and a thread that finishes early takes what is left of the others' (deal.h): any
+    team, including more threads than cores (so some are preempted mid-run and the others take their items) and
+    than blocks (empty runs), must give the one-thread result bit for bit, over several chunks of rows."""
+    gen = torch.Generator().manual_seed(threads)
+    lib = cpu_gemv._gemm_library()
+    assert lib is not None
+    chunk, block = int(lib.hearth_gemm_chunk_rows()), int(lib.hearth_gemm_block_width())
+    dtypes = [torch.float32] + ([torch.bfloat16] if _bf16_pairs() else [])
+    before = torch.get_num_threads()
+    try:
+        for dtype in dtypes:
+            for m, n, k in ((2 * chunk + 5, 23 * block + 3, 96), (chunk + 1, 2 * block, 64), (40, 5, 32)):
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+                bias = torch.randn(n, generator=gen).to(dtype)
+                packed = cpu_gemv.pack(w)
+                silu = cpu_gemv.pack(torch.cat([w, w.flip(0)])) if n % block == 0 else None
+                results = []
+                for team in (1, threads):
+                    torch.set_num_threads(team)
+                    results.append([cpu_gemv.gemm(x, packed, bias)]
+                                   + ([cpu_gemv.gemm_silu(x, silu)] if silu is not None else []))
+                for one, many in zip(*results, strict=True):
+                    assert torch.equal(one, many)
+    finally:
+        torch.set_num_threads(before)
