@@ -21,10 +21,24 @@ typedef struct {
     _Alignas(64) _Atomic uint64_t taken;
 } deal_count;
 
+/* Declares `name`: the counts for a team of up to `threads` threads (at least one), zeroed; `name##_team` is that
+ * size, for the parallel region's num_threads. Before the region: the team shares them. */
+#define DEAL_COUNTS(name, threads)                                                                                 \
+    const int64_t name##_team = (threads) > 0 ? (threads) : 1;                                                     \
+    deal_count name[name##_team];                                                                                  \
+    for (int64_t name##_i = 0; name##_i < name##_team; name##_i++) atomic_init(&name[name##_i].taken, 0)
+
 typedef struct {
     int64_t blocks, chunks, team;
     deal_count *counts; /* [team], zeroed */
+    int64_t self, rows, chunk_rows; /* the calling thread; all rows, rows a chunk */
 } deal;
+
+/* Thread `self` of a team of `team` dealing `blocks` blocks times the chunks of `chunk_rows` of `rows` rows. */
+static inline deal deal_start(int64_t blocks, int64_t rows, int64_t chunk_rows, int64_t team, int64_t self,
+                              deal_count *counts) {
+    return (deal){blocks, (rows + chunk_rows - 1) / chunk_rows, team, counts, self, rows, chunk_rows};
+}
 
 /* Item `j` of thread `t`'s run of `*count` items: its block (and *chunk); -1 outside the run. */
 static inline int64_t deal_item(const deal *d, int64_t t, int64_t j, int64_t *chunk, int64_t *count) {
@@ -52,18 +66,20 @@ static inline int64_t deal_take(deal *d, int64_t owner, int front) {
     return j;
 }
 
-/* The next item for thread t: the front of its own run, then the backs of the others'. Returns its block (-1
- * when none is left) and sets *chunk; *after is the block the same thread likely takes next (-1: none), to fetch
- * ahead. Not inlined: inlined into gemm.c's parallel regions, its variables crowded the register tiles' (sums
- * and row pointers spilled to the stack, the products ran at 0.35x). */
-static __attribute__((noinline)) int64_t deal_next(deal *d, int64_t t, int64_t *chunk, int64_t *after) {
+/* The calling thread's next item: the front of its own run, then the backs of the others'. Returns its block (-1
+ * when none is left) and sets its rows (*first, *rows); *after is the block the same thread likely takes next (-1:
+ * none), to fetch ahead. Not inlined: inlined into gemm.c's parallel regions, its variables crowded the register
+ * tiles' (sums and row pointers spilled to the stack, the products ran at 0.35x). */
+static __attribute__((noinline)) int64_t deal_next(deal *d, int64_t *first, int64_t *rows, int64_t *after) {
     for (int64_t i = 0; i < d->team; i++) {
-        const int64_t owner = (t + i) % d->team;
+        const int64_t owner = (d->self + i) % d->team;
         const int64_t j = deal_take(d, owner, i == 0);
         if (j < 0) continue;
-        int64_t count, next_chunk;
-        const int64_t blk = deal_item(d, owner, j, chunk, &count);
+        int64_t count, chunk, next_chunk;
+        const int64_t blk = deal_item(d, owner, j, &chunk, &count);
         *after = deal_item(d, owner, i == 0 ? j + 1 : j - 1, &next_chunk, &count);
+        *first = chunk * d->chunk_rows;
+        *rows = d->rows - *first < d->chunk_rows ? d->rows - *first : d->chunk_rows;
         return blk;
     }
     return -1;

@@ -298,17 +298,13 @@ static inline __attribute__((always_inline)) void product_silu(int kind, const v
                                                                 const void *b, void *y, int64_t m, int64_t inter,
                                                                 int64_t k, int64_t threads) {
     const int64_t half = inter / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2, bytes = k * BW * size;
-    const int64_t team_max = threads > 0 ? threads : 1;
-    deal_count counts[team_max];
-    for (int64_t i = 0; i < team_max; i++) atomic_init(&counts[i].taken, 0);
-#pragma omp parallel num_threads(team_max)
+    DEAL_COUNTS(counts, threads);
+#pragma omp parallel num_threads(counts_team)
     {
-        deal d = {half, (m + chunk - 1) / chunk, omp_get_num_threads(), counts};
-        const int64_t t = omp_get_thread_num();
+        deal d = deal_start(half, m, chunk, omp_get_num_threads(), omp_get_thread_num(), counts);
         const char *base = (const char *)packed;
-        int64_t c, after, blk;
-        while ((blk = deal_next(&d, t, &c, &after)) >= 0) {
-            const int64_t r0 = c * chunk, rows = m - r0 < chunk ? m - r0 : chunk;
+        int64_t r0, rows, after, blk;
+        while ((blk = deal_next(&d, &r0, &rows, &after)) >= 0) {
             silu_rows(kind, (const char *)x + r0 * k * size, rows, k, base + blk * bytes, base + (blk + half) * bytes,
                       b ? (const char *)b + blk * BW * size : NULL,
                       b ? (const char *)b + (inter + blk * BW) * size : NULL,
@@ -324,18 +320,14 @@ static inline __attribute__((always_inline)) void product(int kind, const void *
                                                            int64_t threads) {
     const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2;
     const int64_t out = kind == BF16_PAIRS ? 2 : 4; /* bytes per output */
-    const int64_t team_max = threads > 0 ? threads : 1;
-    deal_count counts[team_max];
-    for (int64_t i = 0; i < team_max; i++) atomic_init(&counts[i].taken, 0);
-#pragma omp parallel num_threads(team_max)
+    DEAL_COUNTS(counts, threads);
+#pragma omp parallel num_threads(counts_team)
     {
         /* A thread takes its run of blocks in every chunk (deal.h): after its last block of a chunk comes its
          * first again, for the next chunk's rows. */
-        deal d = {blocks, (m + chunk - 1) / chunk, omp_get_num_threads(), counts};
-        const int64_t t = omp_get_thread_num();
-        int64_t c, after, blk;
-        while ((blk = deal_next(&d, t, &c, &after)) >= 0) {
-            const int64_t r0 = c * chunk, rows = m - r0 < chunk ? m - r0 : chunk;
+        deal d = deal_start(blocks, m, chunk, omp_get_num_threads(), omp_get_thread_num(), counts);
+        int64_t r0, rows, after, blk;
+        while ((blk = deal_next(&d, &r0, &rows, &after)) >= 0) {
             const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
             block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
                        b ? (const char *)b + c0 * size : NULL, (char *)y + (r0 * n + c0) * out, n, width,

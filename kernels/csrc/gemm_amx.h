@@ -154,17 +154,13 @@ static void amx_product(int kind, const uint16_t *x, const uint16_t *packed, con
         if (!tail) return;
         memcpy(tail, x + tail_from * k, (size_t)((m - tail_from) * k) * sizeof *tail);
     }
-    const int64_t team_max = threads > 0 ? threads : 1;
-    deal_count counts[team_max];
-    for (int64_t i = 0; i < team_max; i++) atomic_init(&counts[i].taken, 0);
-#pragma omp parallel num_threads(team_max)
+    DEAL_COUNTS(counts, threads);
+#pragma omp parallel num_threads(counts_team)
     {
-        deal d = {blocks, (m + CHUNK_ROWS - 1) / CHUNK_ROWS, omp_get_num_threads(), counts};
-        const int64_t t = omp_get_thread_num();
-        int64_t c, after, blk;
+        deal d = deal_start(blocks, m, CHUNK_ROWS, omp_get_num_threads(), omp_get_thread_num(), counts);
+        int64_t r0, rows, after, blk;
         amx_configure();
-        while ((blk = deal_next(&d, t, &c, &after)) >= 0) {
-            const int64_t r0 = c * CHUNK_ROWS, rows = m - r0 < CHUNK_ROWS ? m - r0 : CHUNK_ROWS;
+        while ((blk = deal_next(&d, &r0, &rows, &after)) >= 0) {
             const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
             const uint16_t *bias = b ? b + c0 : NULL, *bias_up = b && silu ? b + n + c0 : NULL;
             amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes,
