@@ -366,6 +366,43 @@ def test_converted_checkpoint_matches_the_gguf_model(name: str) -> None:
         torch.testing.assert_close(tensors[key], reference_state[key], rtol=0, atol=0)
 
 
+def test_a_gguf_read_once_parses_as_the_plain_reader_does(tmp_path: Path) -> None:
+    """The installer's shortcut (one parse per file, plain views of the mapping) reads what gguf's own reader
+    reads: every field's parts and every tensor, on a small file with string arrays like a vocabulary's."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list([f"tok{i}\u00e9" for i in range(300)])
+    writer.add_token_scores([float(i) / 7 for i in range(300)])
+    writer.add_string("general.name", "small")
+    rng = np.random.default_rng(0)
+    for name, shape in [("token_embd.weight", (300, 8)), ("blk.0.attn_q.weight", (8, 8)), ("output_norm.weight", (8,))]:
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    plain = gguf.GGUFReader(path)
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with installer._gguf_read_once():
+        fast = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is fast  # parsed once
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert list(fast.fields) == list(plain.fields)
+        for key, field in plain.fields.items():
+            other = fast.fields[key]
+            assert (other.types, other.data, other.offset) == (field.types, field.data, field.offset)
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(other.parts, field.parts, strict=True))
+        assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+        for a, b in zip(fast.tensors, plain.tensors, strict=True):
+            assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (original_reader, original_map)
+
+
 # ---------------------------------------------------------------- checkpoint loading
 
 
