@@ -2,13 +2,14 @@
 
 A replica that dies takes its requests with it: they end with ReplicaLostError (an EngineDeadError, so the
 control plane answers 503 and batch items are given back and run again). A non-streaming request is retried
-once first: the router has already forgotten the dead replica, so the retry lands on a live one.
+once first, routed away from the replica that died (named in Ray's error), so the retry lands on a live one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,20 @@ LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavaila
 
 
 class ReplicaLostError(EngineLostError):
-    """The replica serving the request died (Serve starts another)."""
+    """The replica serving the request died (Serve starts another). `replica`: its label, where Ray named it."""
+
+    def __init__(self, message: str, replica: str = "") -> None:
+        super().__init__(message)
+        self.replica = replica
+
+
+# Ray names a replica's actor SERVE_REPLICA::<app>#<deployment>#<unique id>, the id being the router's label.
+_REPLICA_NAME = re.compile(r"SERVE_REPLICA::[^\s#]+#[^\s#]+#(\w+)")
+
+
+def _lost(cause: BaseException) -> ReplicaLostError:
+    found = _REPLICA_NAME.search(str(cause))
+    return ReplicaLostError(f"the replica serving the request died: {cause}", found.group(1) if found else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +64,10 @@ def _engine_error(exc: BaseException) -> BaseException:
         if isinstance(cause, EngineError):
             return cause
         if isinstance(cause, LOST):
-            return ReplicaLostError(f"the replica serving the request died: {cause}")
+            return _lost(cause)
         return EngineDeadError(f"the replica failed the request: {cause!r}")
     if isinstance(exc, LOST):
-        return ReplicaLostError(f"the replica serving the request died: {exc}")
+        return _lost(exc)
     return exc
 
 
@@ -131,9 +145,13 @@ class FleetClient:
         try:
             return await self._call(model, "generate", request, route=self._hint(request, session), adapter=bundle)
         except ReplicaLostError as exc:
-            # Nothing was produced for the caller yet: one more try, on a live replica.
+            # Nothing was produced for the caller yet: one more try, on a live replica. The router is told to
+            # avoid the dead one: Serve drops it from the candidates once it learns of the death, which can come
+            # after this retry is routed (a session's hash would send the retry straight back to it).
             log.warning("request %s lost its replica (%s); retrying once", request.request_id, exc)
-            return await self._call(model, "generate", request, route=self._hint(request, session), adapter=bundle)
+            avoid = frozenset({exc.replica} - {""})
+            return await self._call(model, "generate", request, route=self._hint(request, session, avoid),
+                                    adapter=bundle)
 
     async def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
         bundle = await self._bundle(request)
