@@ -23,7 +23,7 @@ from controlplane.usage.models import Source, UsageEvent
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.real_model, pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[2]
-ITEMS = 12
+ITEMS = 8
 
 
 def _worker_env(queue: str, *, sweep: bool) -> dict[str, str]:
@@ -82,7 +82,7 @@ def test_worker_killed_mid_batch_loses_nothing_and_writes_nothing_twice(tenant, 
     redis.Redis.from_url(BATCH_BROKER).delete(batch_queue)
     ctx = authenticate_key(tenant.secret)
     batch = services.create_native_batch(ctx, CHAT_MODEL, [
-        (f"doc-{i}", {"prompt": f"Write a long story about lighthouse number {i}.", "max_tokens": 40,
+        (f"doc-{i}", {"prompt": f"Write a long story about lighthouse number {i}.", "max_tokens": 24,
                       "temperature": 0}) for i in range(ITEMS)])
     items = Item.objects.filter(batch=batch)
     first = _start_worker(batch_queue, "doomed", tmp_path)
