@@ -147,6 +147,7 @@ def test_check_deploy_passes_with_production_environment(tmp_path):
         "channels_redis.core.RedisChannelLayer", "False", "True"]
 
 
+@pytest.mark.once  # a subprocess reading settings without any service: the database under test is not used
 def test_embedded_defaults_need_no_service(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEBUG")}
     env["HEARTH_DATA_DIR"] = str(tmp_path)

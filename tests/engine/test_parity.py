@@ -71,23 +71,11 @@ def test_tiny_greedy_matches_transformers(tiny_model) -> None:
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", [SMOLLM, QWEN, GEMMA])
-def test_real_model_prefill_logits(name: str) -> None:
+def test_real_model_matches_transformers(name: str) -> None:
+    """Real weights of each architecture: prefill logits (whole and in chunks of 5), then greedy continuations.
+    One test per model, so each model and its transformers twin load once (a few seconds each on two cores)."""
     path = require_installed(name)
     llm = LLM(name, EngineConfig(dtype="float32", kv_cache_memory="256MiB"))
-    _check_logits(llm, _hf(path), PROMPTS[:2], chunk_sizes=(None, 5))
-
-
-@pytest.mark.real_model
-def test_real_smollm2_greedy_matches_transformers() -> None:
-    path = require_installed(SMOLLM)
-    llm = LLM(SMOLLM, EngineConfig(dtype="float32", kv_cache_memory="256MiB"))
-    assert _greedy_agreement(llm, _hf(path), PROMPTS) >= 9
-
-
-@pytest.mark.real_model
-@pytest.mark.parametrize("name", [QWEN, GEMMA])
-def test_real_model_greedy_matches_transformers(name: str) -> None:
-    """Real weights of the other two architectures (15-20 s each on two cores)."""
-    path = require_installed(name)
-    llm = LLM(name, EngineConfig(dtype="float32", kv_cache_memory="256MiB"))
-    assert _greedy_agreement(llm, _hf(path), PROMPTS) >= 9
+    hf = _hf(path)
+    _check_logits(llm, hf, PROMPTS[:2], chunk_sizes=(None, 5))
+    assert _greedy_agreement(llm, hf, PROMPTS) >= 9
