@@ -21,7 +21,7 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
     headers = tenant.headers
     words = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
 
-    async def scenario() -> tuple[float, float, list[int]]:
+    async def scenario() -> tuple[list[float], float, float, list[int]]:
         async with httpx.AsyncClient(timeout=120) as client:
             arrivals: list[float] = []
 
@@ -53,19 +53,26 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
                 await asyncio.sleep(0.05)
             statuses = [(await h).status_code for h in hostile]
             texts = ["a short sentence to embed"] * 2048
+            embedding_from = time.monotonic()
             embedding = await client.post(f"{run}{EMBED_MODEL}", headers=headers, json={"text": texts})
             statuses.append(embedding.status_code)
             too_many = await client.post(f"{run}{EMBED_MODEL}", headers=headers, json={"text": texts * 5})
             statuses.append(too_many.status_code)
             slowest = max(slowest, await healthz())
             await watcher
-        gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-        return max(gaps), slowest, statuses
+        return arrivals, embedding_from, slowest, statuses
 
-    max_gap, slowest_healthz, statuses = asyncio.run(scenario())
-    print(f"max chunk gap {max_gap:.3f} s, slowest /healthz {slowest_healthz:.3f} s")
+    arrivals, embedding_from, slowest_healthz, statuses = asyncio.run(scenario())
+    # Which phase a gap fell in, for the failure message: beside the huge prompts, or beside the embedding calls
+    # (whose model shares the two cores with the stream's engine).
+    gaps = {"prompts": [0.0], "embeddings": [0.0]}
+    for a, b in zip(arrivals, arrivals[1:], strict=False):
+        gaps["prompts" if b <= embedding_from else "embeddings"].append(b - a)
+    max_gap = max(max(g) for g in gaps.values())
+    where = ", ".join(f"{max(g):.2f} s beside the {phase}" for phase, g in gaps.items())
+    print(f"max chunk gap {max_gap:.3f} s ({where}), slowest /healthz {slowest_healthz:.3f} s")
     assert statuses == [413, 413, 413, 413, 200, 400]
-    assert max_gap < 1.0 and slowest_healthz < 0.4
+    assert max_gap < 1.0 and slowest_healthz < 0.4, f"max chunk gap: {where}; slowest /healthz {slowest_healthz:.2f} s"
 
 
 def _raw_request(url: str, head: str, body_chunks: int = 0, chunk: bytes = b"") -> tuple[int, float]:
