@@ -41,6 +41,10 @@ def models_dir() -> Path:
     return data_dir() / "models"
 
 
+class InstallError(RuntimeError):
+    """A bundled model cannot be installed (package missing, corrupt download, failed conversion)."""
+
+
 @dataclass(frozen=True)
 class BundledModel:
     name: str

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from inference.errors import ModelNotFoundError
+from inference.models import gguf_convert
 from inference.models import install as installer
 from inference.models.catalog import (
     BUNDLED_MODELS,
@@ -348,7 +349,7 @@ def test_converted_checkpoint_matches_the_gguf_model(name: str) -> None:
     gguf = installer.gguf_path(name)
     # Parsed once, as the installer does (20 s less here); test_a_gguf_read_once_parses_as_the_plain_reader_does
     # holds that shortcut to gguf's own reader.
-    with installer._gguf_read_once():
+    with gguf_convert.read_once():
         reference = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         ).eval()
@@ -391,7 +392,7 @@ def test_a_gguf_read_once_parses_as_the_plain_reader_does(tmp_path: Path) -> Non
 
     plain = gguf.GGUFReader(path)
     original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    with installer._gguf_read_once():
+    with gguf_convert.read_once():
         fast = gguf.GGUFReader(path)
         assert gguf.GGUFReader(path) is fast  # parsed once
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
