@@ -108,6 +108,14 @@ def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
     _synchronize(hf.device)
 
 
+def _progress(label: str, value: object) -> None:
+    """Each figure as soon as it is measured, on stderr: a run cut by a time limit (a lent GPU's) still leaves
+    what it measured; the table on stdout comes at the end."""
+    import sys
+
+    print(f"[engine] {label}: {value}", file=sys.stderr, flush=True)
+
+
 def _config(device: str, **overrides: object) -> EngineConfig:
     """CPU: the sizes the CPU figures were always taken with. CUDA: room for 256 concurrent requests of up to
     628 tokens (SmolLM2's cache is 23 KB a token) and prompt chunks that fill the card."""
@@ -134,9 +142,11 @@ def run(quick: bool = False, model: str = DEFAULT_MODEL, concurrent: tuple[int, 
     prompt = llm.encode("Write a long story about a dragon who learns to cook.")
     generated(llm.generate_ids([prompt], greedy))  # warm up
     hearth_single = new_tokens / median_time(lambda: generated(llm.generate_ids([prompt], greedy)), runs)
+    _progress("hearth single-stream tok/s", round(hearth_single, 1))
     hf = _hf_model(model, dtype, where)
     _hf_generate(hf, [prompt], 4, pad)
     hf_single = new_tokens / median_time(lambda: _hf_generate(hf, [prompt], new_tokens, pad), runs)
+    _progress("transformers single-stream tok/s", round(hf_single, 1))
     bandwidth = memory_bandwidth_gbs(device=where)
     weights = weight_bytes_per_token(llm)
     ceiling = bandwidth * 1e9 / weights
@@ -151,8 +161,10 @@ def run(quick: bool = False, model: str = DEFAULT_MODEL, concurrent: tuple[int, 
         total_out = len(prompts) * new_tokens
         generated(llm.generate_ids(prompts[:8], greedy))  # warm up this batch size's shapes
         hearth_batch = total_out / median_time(lambda p=prompts: generated(llm.generate_ids(p, greedy)), runs)
+        _progress(f"hearth {len(prompts)} concurrent tok/s", round(hearth_batch, 1))
         _hf_generate(hf, prompts, 4, pad)
         hf_batched = total_out / median_time(lambda p=prompts: _hf_generate(hf, p, new_tokens, pad), 1)
+        _progress(f"transformers batched {len(prompts)} tok/s", round(hf_batched, 1))
         row = {"requests": len(prompts), "hearth_tok_s": hearth_batch, "hf_batched_tok_s": hf_batched,
                "vs_batched": hearth_batch / hf_batched}
         if not results["concurrent"]:  # one-at-a-time transformers once: it is the slowest thing here
@@ -160,6 +172,7 @@ def run(quick: bool = False, model: str = DEFAULT_MODEL, concurrent: tuple[int, 
             hf_serial = len(sequential) * new_tokens / _timed(
                 lambda s=sequential: [_hf_generate(hf, [p], new_tokens, pad) for p in s])
             row |= {"hf_serial_tok_s": hf_serial, "vs_serial": hearth_batch / hf_serial}
+            _progress("transformers one at a time tok/s", round(hf_serial, 1))
         results["concurrent"].append(row)
     hf = None  # free its weights before the prefix-cache runs
     gc.collect()
@@ -175,6 +188,7 @@ def run(quick: bool = False, model: str = DEFAULT_MODEL, concurrent: tuple[int, 
         cold.append(_timed(lambda q=q1: generated(llm.generate_ids([prefix + q], first_token))))
         warm.append(_timed(lambda q=q2: generated(llm.generate_ids([prefix + q], first_token))))
     ttft_cold, ttft_warm = statistics.median(cold), statistics.median(warm)
+    _progress("TTFT cold / warm s", (round(ttft_cold, 4), round(ttft_warm, 4)))
 
     miss_prompts = concurrent_prompts(tok, count=8 if quick else 32, seed=7)
     short = SamplingParams(max_tokens=new_tokens // 2, temperature=0.0, ignore_eos=True)

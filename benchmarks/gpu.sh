@@ -4,7 +4,8 @@
 # .gpu/ here first (the few wheels the engine needs beyond that Python, and each model's files minus its weights)
 # and the call carries `.gpu`; the models get random weights there (benchmarks/random_models.py).
 #
-#   bash benchmarks/gpu.sh [STEP ...]      default: tests kernels engine
+#   bash benchmarks/gpu.sh [STEP ...]      default: host kernels engine tests
+#     host     python -m benchmarks.host_probe (CPU quota, Python and launch speed, the CPU GEMM at 1-16 threads)
 #     tests    the Triton kernel tests and tests/engine on CUDA (tiny random models against transformers)
 #     kernels  python -m benchmarks.kernels (bandwidth against a copy measured in the same run)
 #     engine   python -m benchmarks.engine --concurrent 32 256 (SmolLM2-135M; `qwen`: Qwen2.5-Coder-0.5B)
@@ -14,12 +15,13 @@
 #
 # Each step runs under its own time limit, so one that hangs cannot eat the call; its end is printed as it finishes
 # and every log goes into $OUT/logs.tgz (refreshed after each step). The limits add up to more than one call may
-# run (10 minutes): on a fresh lease, `tests kernels engine` in one call and `kv spec lora qwen` in a second.
+# run (10 minutes). On 2026-11-27 one call of every step on an H200 finished only kernels and kv: the host ran
+# transformers.generate at a tenth of its usual speed, so `host` comes first and says why before anything else.
 set -uo pipefail
 out="${OUT:-$(mktemp -d)}"
 logs=/tmp/hearth-logs
 rm -rf "$logs" && mkdir -p "$logs"
-[ $# -gt 0 ] && steps=("$@") || steps=(tests kernels engine)
+[ $# -gt 0 ] && steps=("$@") || steps=(host kernels engine tests)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
@@ -47,6 +49,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under its limit, then show its 
 
 for s in "${steps[@]}"; do
     case $s in
+        host) HEARTH_DATA_DIR=/tmp/hearth-tests step host 120 python3 -m benchmarks.host_probe ;;
         tests) HEARTH_DATA_DIR=/tmp/hearth-tests step tests 150 python3 -m pytest -p no:cacheprovider -o addopts= \
                    -m "not slow" -n 14 -v -rfE --timeout 60 tests/kernels/test_triton_decode.py \
                    tests/kernels/test_triton_kv_compress.py tests/kernels/test_triton_lora.py \
