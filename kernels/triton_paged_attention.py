@@ -35,28 +35,6 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def block_scores(q, k_ptr, pos_ptr, row_ptr, i, kv_len, q_pos, scale, softcap, window,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
-        """Scores [G, S] of the group's queries q [G, D] against block i of a head's table (row_ptr), -inf where
-        an entry is past the head's length or not visible from q_pos; also the entries' slots and indices."""
-        s = tl.arange(0, BLOCK_SIZE)
-        d = tl.arange(0, BLOCK_D)
-        block = tl.load(row_ptr + i).to(tl.int64)
-        index = i * BLOCK_SIZE + s
-        entry = block * BLOCK_SIZE + s
-        key_pos = tl.load(pos_ptr + entry)
-        ok = (index < kv_len) & (key_pos <= q_pos)
-        if USE_WINDOW:
-            ok = ok & (key_pos > q_pos - window)
-        k = tl.load(k_ptr + entry[:, None] * HEAD_DIM + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-        if USE_SOFTCAP:
-            # tanh(x) = 2 sigmoid(2x) - 1: portable across Triton backends and the interpreter
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        return tl.where(ok[None, :], scores, NEG_INF), entry, index
-
-    @triton.jit
     def load_group(q_ptr, b, h, stride_qb, stride_qh, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         """The query rows [G, D] (fp32) of the query heads that share kv-head h, for sequence b."""

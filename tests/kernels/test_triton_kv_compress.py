@@ -42,6 +42,21 @@ def test_received_attention_kernel_matches_reference(batch, lens_max, hkv, group
     torch.testing.assert_close(out.sum(-1)[seen], torch.full_like(out.sum(-1)[seen], float(groups)))
 
 
+def test_received_attention_over_long_heads_merges_its_stretches() -> None:
+    """Heads of up to 600 entries (Qwen2.5's groups of seven query heads): the first launch cuts each head into
+    stretches, the second scores one 64-entry tile a program; the merged statistics must normalise every tile."""
+    batch, hkv, groups = 2, 2, 7
+    q, k_cache, _, pos_cache, tables, lens, q_positions = _case(601, batch, 600, hkv, groups, 16, 8, torch.float32,
+                                                                False)
+    splits, _ = triton_kv.decode_splits(batch, hkv, tables.shape[-1] * k_cache.shape[1], triton_kv.TILE_ENTRIES)
+    assert splits > 1 and int(lens.max()) > 4 * triton_kv.TILE_ENTRIES  # the path this test is for
+    mask = pa.decode_mask(pos_cache, tables, lens, q_positions)
+    ref = kc.decode_received_attention_ref(q, k_cache, tables, mask, 0.125)
+    out = triton_kv.decode_received_attention(q, k_cache, pos_cache, tables, lens, q_positions, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.sum(-1), torch.full_like(out.sum(-1), float(groups)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_move_kernel_matches_reference_with_overlap(dtype) -> None:
     gen = torch.Generator().manual_seed(21)

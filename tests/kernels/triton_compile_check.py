@@ -100,7 +100,7 @@ def cases() -> dict[str, list]:
                              triton_paged_attention.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, 0.125,
                                                                            window, softcap, num_splits=splits))
     q, k, v, pos, tables, lens, q_pos = _pool(torch.bfloat16)
-    out["received"] = launches(triton_kv_compress, ["_received_kernel"],
+    out["received"] = launches(triton_kv_compress, ["_received_stats_kernel", "_received_write_kernel"],
                                lambda: triton_kv_compress.decode_received_attention(q, k, pos, tables, lens, q_pos,
                                                                                     0.125))
     src, dst = torch.arange(40, 80), torch.arange(0, 40)
