@@ -20,6 +20,7 @@ install: $(VENV)/.installed
 
 models: install
 	$(PY) -m inference.models.install
+	$(PY) -m kernels.cpu_build
 
 # Optional: Qwen2.5-Coder-1.5B-Instruct, the speculative-decoding target (its 0.5B sibling drafts for it).
 models-extra: models

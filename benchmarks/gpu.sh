@@ -32,6 +32,9 @@ python3 -c 'import torch, triton, transformers, xgrammar; print("torch", torch._
 # Tests build tiny random models and need only a tokenizer: with no model "installed", tests of real weights skip.
 tests_data=/tmp/hearth-tests/models/smollm2-135m-instruct
 mkdir -p "$tests_data" && cp .gpu/models/smollm2-135m-instruct/tokenizer*.json "$tests_data/"
+# The CPU kernels, all at once (16 compilers): built inside the tests, AVX-512 and AMX gemm.c alone took longer
+# than a test's time limit there.
+HEARTH_DATA_DIR=/tmp/hearth-tests timeout 300 python3 -m kernels.cpu_build
 bench_data=/tmp/hearth-bench
 if [[ " ${steps[*]} " =~ \ (engine|qwen|kv|spec|lora)\  ]]; then
     python3 -m benchmarks.random_models unpack .gpu/models "$bench_data" || exit 1

@@ -1,9 +1,11 @@
 """Builds and loads the C kernels of kernels/csrc for the CPU (AVX2 + FMA, OpenMP).
 
 Each source is compiled once per machine with the system C compiler into a cache directory, under a name
-keyed by the source's hash and flags (about a second of work), and loaded with ctypes: no torch headers, no
-build step at install time, nothing to ship. Without a C compiler or those CPU features, or with
-HEARTH_CPU_KERNELS=off, `load` returns None and callers keep their torch path.
+keyed by the source's hash and flags, and loaded with ctypes: no torch headers, nothing to ship. `make models`
+builds them all at once (`python -m kernels.cpu_build`, a compiler per library); anything missing then is built
+at its first use (seconds on AVX2, about half a minute for gemm.c with AVX-512 BF16 and AMX). Without a C
+compiler or those CPU features, or with HEARTH_CPU_KERNELS=off, `load` returns None and callers keep their torch
+path.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the kernels link against)
@@ -56,37 +60,84 @@ def cache_dir() -> Path:
     return Path(root) / "kernels" if root else Path.home() / ".cache" / "hearth" / "kernels"
 
 
-def _compile(compiler: str, source: Path, target: Path) -> None:
+def _compile(compiler: str, source: Path, target: Path, build_flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes starting together never load a half-written library.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler, *flags(), str(source), "-o", str(partial), "-lm"], check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run([compiler, *build_flags, str(source), "-o", str(partial), "-lm"], check=True,
+                       capture_output=True, timeout=300)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
 
 
-@functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """kernels/csrc/<name>.c as a loaded library, or None where it cannot be built here."""
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def build(name: str, build_flags: tuple[str, ...] | None = None) -> Path | None:
+    """kernels/csrc/<name>.c compiled with these flags (this machine's by default) into the cache, unless it is
+    there already: the library's path, or None where it cannot be built here."""
     if os.environ.get("HEARTH_CPU_KERNELS", "auto") == "off" or not cpu_has("avx2", "fma"):
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return None
+    build_flags = flags() if build_flags is None else build_flags
     source = SOURCES / f"{name}.c"
     # Keyed by the source, the headers and the flags: a change to any of them builds anew.
     headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(build_flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     try:
         if not target.exists():
-            _compile(compiler, source, target)
+            _compile(compiler, source, target, build_flags)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return target
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """kernels/csrc/<name>.c as a loaded library, or None where it cannot be built here."""
+    target = build(name)
+    if target is None:
+        return None
+    try:
         # torch is loaded, so its libgomp.so.1 is in the process: the library's OpenMP calls resolve to that
         # runtime and both share one thread pool instead of two pools fighting over the cores.
         return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
+    except OSError:
         return None
+
+
+def prebuild() -> tuple[list[str], list[str]]:
+    """Every kernel built now for this machine, and for the AVX2 baseline where that differs (HEARTH_CPU_AVX512=off
+    asks for it), one compiler per library, all at once: (built, failed) names. `make models` runs it, so an engine's
+    first start loads the libraries instead of compiling them. Why: with AVX-512 BF16 and AMX, gemm.c's register
+    tiles for every row count and dtype take the compiler about half a minute, and the first engine start (or the
+    first test to use it) waited that long; on the lent H200 tests ran out of their time limit in that wait."""
+    names = sorted(path.stem for path in SOURCES.glob("*.c"))
+    flag_sets = list(dict.fromkeys([flags(), FLAGS]))
+    jobs = [(name, build_flags) for build_flags in flag_sets for name in names]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        done = list(pool.map(lambda job: build(*job) is not None, jobs))
+    built = [f"{name} ({'avx2' if f == FLAGS else 'native'})" for (name, f), ok in zip(jobs, done, strict=True) if ok]
+    failed = [f"{name} ({'avx2' if f == FLAGS else 'native'})" for (name, f), ok in zip(jobs, done, strict=True)
+              if not ok]
+    return built, failed
+
+
+def main() -> int:
+    started = time.monotonic()
+    built, failed = prebuild()
+    extra = " ".join(f.removeprefix("-m") for f in flags() if f not in FLAGS) or "the AVX2 baseline"
+    print(f"CPU kernels: {len(built)} libraries ready in {cache_dir()} ({extra}; {time.monotonic() - started:.1f} s)"
+          + (f"; could not build {', '.join(failed)}: the engine uses torch there" if failed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

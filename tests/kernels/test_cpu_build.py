@@ -29,3 +29,37 @@ def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
                str(tmp_path / f"{name}.so"), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"{name}.c does not compile with {' '.join(cpu_build.flags())}:\n{result.stderr}"
+
+
+def test_prebuild_builds_every_source_once_and_loads_need_no_compiler(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m kernels.cpu_build` (make models): every source for this machine's build and the AVX2 baseline,
+    so a later load only opens the file; a changed header builds anew."""
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    (sources / "one.c").write_text('#include "shared.h"\nint one(void) { return ANSWER - 1; }\n')
+    (sources / "two.c").write_text('#include "shared.h"\nint two(void) { return ANSWER; }\n')
+    (sources / "shared.h").write_text("#define ANSWER 2\n")
+    monkeypatch.setattr(cpu_build, "SOURCES", sources)
+    monkeypatch.setenv("HEARTH_DATA_DIR", str(tmp_path / "data"))
+    cpu_build.load.cache_clear()
+    try:
+        built, failed = cpu_build.prebuild()
+        builds = len({cpu_build.flags(), cpu_build.FLAGS})
+        assert failed == [] and len(built) == 2 * builds
+        libraries = sorted(cpu_build.cache_dir().glob("*.so"))
+        assert len(libraries) == 2 * builds
+
+        def no_compiler(*args: object) -> None:
+            raise AssertionError("a prebuilt library was compiled again")
+
+        compile_for_real = cpu_build._compile
+        monkeypatch.setattr(cpu_build, "_compile", no_compiler)
+        assert cpu_build.prebuild() == (built, [])
+        lib = cpu_build.load("two")
+        assert lib is not None and lib.two() == 2
+        monkeypatch.setattr(cpu_build, "_compile", compile_for_real)
+        (sources / "shared.h").write_text("#define ANSWER 3\n")
+        assert cpu_build.build("one") not in libraries
+    finally:
+        cpu_build.load.cache_clear()
