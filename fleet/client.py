@@ -2,7 +2,9 @@
 
 A replica that dies takes its requests with it: they end with ReplicaLostError (an EngineDeadError, so the
 control plane answers 503 and batch items are given back and run again). A non-streaming request is retried
-once first, routed away from the replica that died (named in Ray's error), so the retry lands on a live one.
+once first, routed away from the replica that died (named in Ray's error), so the retry lands on a live one; so
+are the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's compile),
+which a request makes before it generates.
 """
 
 from __future__ import annotations
@@ -105,24 +107,36 @@ class FleetClient:
                 raise
             raise mapped from None
 
+    async def _call_again_if_lost(self, model: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A call that changes nothing on the replica, tried once more, away from a replica that died under it.
+        Under load a request's tokenizing call can wait in a replica's queue when that replica is killed (seen
+        in the fleet's kill test on a busy 2-core machine): it ended in a 503, where the generation after it
+        would have been retried."""
+        try:
+            return await self._call(model, method, *args, **kwargs)
+        except ReplicaLostError as exc:
+            log.warning("a %s call lost its replica (%s); retrying once", method, exc)
+            return await self._call(model, method, *args, route=RouteHint(avoid=frozenset({exc.replica} - {""})),
+                                    **kwargs)
+
     # ------------------------------------------------------------------ engine calls
     async def info(self, model: str) -> ModelInfo:
         info = self._infos.get(model)
         if info is None:
-            info = self._infos[model] = await self._call(model, "info")
+            info = self._infos[model] = await self._call_again_if_lost(model, "info")
         return info
 
     async def char_limit(self, model: str) -> tuple[int, int]:
         limit = self._char_limits.get(model)
         if limit is None:
-            limit = self._char_limits[model] = await self._call(model, "char_limit")
+            limit = self._char_limits[model] = await self._call_again_if_lost(model, "char_limit")
         return limit
 
     async def encode(self, model: str, **kwargs: Any) -> list[int]:
-        return await self._call(model, "encode", **kwargs)
+        return await self._call_again_if_lost(model, "encode", **kwargs)
 
     async def compile(self, model: str, constraint: Constraint) -> None:
-        await self._call(model, "compile", constraint)
+        await self._call_again_if_lost(model, "compile", constraint)
 
     async def _bundle(self, request: GenerationRequest) -> AdapterBundle | None:
         lora = request.lora

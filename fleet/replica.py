@@ -73,20 +73,21 @@ class EngineReplica:
                 "prefix": b"".join(k[:KEY_BYTES] for k in keys), "adapters": list(m.lora_resident or ())}
 
     # ------------------------------------------------------------------ engine calls
-    async def info(self) -> ModelInfo:
+    # `route` is read by the request router (a retry's replicas to avoid), never by the replica.
+    async def info(self, route: RouteHint | None = None) -> ModelInfo:
         return self.engine.info
 
     async def encode(self, prompt: str | None = None, messages: list | None = None, raw: bool = False,
-                     tools: list | None = None) -> list[int]:
+                     tools: list | None = None, route: RouteHint | None = None) -> list[int]:
         return await asyncio.to_thread(self.engine.encode, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
-    async def char_limit(self) -> tuple[int, int]:
+    async def char_limit(self, route: RouteHint | None = None) -> tuple[int, int]:
         """Characters past which no prompt fits the context, and the context length."""
         engine = self.engine
         limit = await asyncio.to_thread(prompt_char_limit, engine.tokenizer, engine.engine.max_model_len)
         return limit, engine.engine.max_model_len
 
-    async def compile(self, constraint: Constraint) -> None:
+    async def compile(self, constraint: Constraint, route: RouteHint | None = None) -> None:
         await self.engine.compile_constraint(constraint)
 
     async def _local(self, request: GenerationRequest, adapter: AdapterBundle | None) -> GenerationRequest:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-from fleet.client import ReplicaLostError, _engine_error
+from fleet.client import FleetClient, ReplicaLostError, _engine_error
 from inference.errors import EngineDeadError, EngineOverloadedError
 
 DIED = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:hearth-smollm2:engine\n"
@@ -31,3 +34,53 @@ def test_the_engines_own_errors_pass_through_and_others_are_a_dead_engine() -> N
     assert type(other) is EngineDeadError and "boom" in str(other)
     plain = KeyError("x")
     assert _engine_error(plain) is plain
+
+
+class _DyingHandle:
+    """A deployment handle whose replica dies under the first call of each method (Ray's own error, as a
+    killed replica raises it); later calls answer. Records each call's route."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[str, object]] = []
+
+    def __getattr__(self, method: str) -> object:
+        handle = self
+
+        class _Method:
+            def remote(self, *args: object, **kwargs: object) -> object:
+                first = not any(name == method for name, _ in handle.routes)
+                handle.routes.append((method, kwargs.get("route")))
+
+                async def answer() -> object:
+                    if first:
+                        raise RayActorError(error_msg=DIED)
+                    return (method, args, {k: v for k, v in kwargs.items() if k != "route"})
+
+                return answer()
+
+        return _Method()
+
+
+def test_calls_that_change_nothing_are_tried_again_away_from_a_dead_replica() -> None:
+    client = FleetClient.__new__(FleetClient)  # no cluster: the handle stands in for Serve's
+    client._handles, client._infos, client._char_limits = {"m": _DyingHandle()}, {}, {}
+    handle = client._handles["m"]
+    got = asyncio.run(client.encode("m", prompt="hello", raw=True))
+    assert got == ("encode", (), {"prompt": "hello", "raw": True})
+    assert asyncio.run(client.char_limit("m"))[0] == "char_limit"
+    assert [(name, route.avoid if route else None) for name, route in handle.routes] == [
+        ("encode", None), ("encode", frozenset({"mxfgth0q"})),
+        ("char_limit", None), ("char_limit", frozenset({"mxfgth0q"}))]
+    # A second loss is the caller's 503: one retry only.
+    class _AlwaysDead(_DyingHandle):
+        def __getattr__(self, method: str) -> object:
+            class _Method:
+                def remote(self, *args: object, **kwargs: object) -> object:
+                    async def fail() -> object:
+                        raise RayActorError(error_msg=DIED)
+                    return fail()
+            return _Method()
+
+    client._handles["m"] = _AlwaysDead()
+    with pytest.raises(ReplicaLostError):
+        asyncio.run(client.encode("m", prompt="hello"))
