@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -31,6 +31,7 @@ from inference.errors import EngineDeadError, EngineError, EngineLostError, Mode
 
 log = logging.getLogger("fleet.client")
 METRICS_EVERY_S = 2.0
+ANYWHERE = RouteHint()  # no session, prompt or adapter: the least loaded replica
 LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
 
 
@@ -107,17 +108,19 @@ class FleetClient:
                 raise
             raise mapped from None
 
-    async def _call_again_if_lost(self, model: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A call that changes nothing on the replica, tried once more, away from a replica that died under it.
-        Under load a request's tokenizing call can wait in a replica's queue when that replica is killed (seen
-        in the fleet's kill test on a busy 2-core machine): it ended in a 503, where the generation after it
-        would have been retried."""
+    async def _call_again_if_lost(self, model: str, method: str, *args: Any, route: RouteHint = ANYWHERE,
+                                  **kwargs: Any) -> Any:
+        """A call that has given the caller nothing yet (a non-streaming generation) or changes nothing on the
+        replica (tokenizing, the model's facts, a grammar's compile), tried once more if its replica dies under it.
+        The retry's route avoids the dead replica: Serve drops it from the candidates once it learns of the death,
+        which can come after the retry is routed (a session's hash would send it straight back there). Under
+        load a tokenizing call can wait in a replica's queue when that replica is killed."""
         try:
-            return await self._call(model, method, *args, **kwargs)
+            return await self._call(model, method, *args, route=route, **kwargs)
         except ReplicaLostError as exc:
             log.warning("a %s call lost its replica (%s); retrying once", method, exc)
-            return await self._call(model, method, *args, route=RouteHint(avoid=frozenset({exc.replica} - {""})),
-                                    **kwargs)
+            retry = replace(route, avoid=route.avoid | ({exc.replica} - {""}))
+            return await self._call(model, method, *args, route=retry, **kwargs)
 
     # ------------------------------------------------------------------ engine calls
     async def info(self, model: str) -> ModelInfo:
@@ -150,22 +153,14 @@ class FleetClient:
         return bundle
 
     @staticmethod
-    def _hint(request: GenerationRequest, session: str, avoid: frozenset[str] = frozenset()) -> RouteHint:
+    def _hint(request: GenerationRequest, session: str) -> RouteHint:
         return RouteHint(session=session, prompt=tuple(request.prompt_token_ids), extra_keys=request.extra_keys,
-                         adapter=request.lora.name if request.lora is not None else None, avoid=avoid)
+                         adapter=request.lora.name if request.lora is not None else None)
 
     async def generate(self, model: str, request: GenerationRequest, session: str = "") -> RequestOutput:
         bundle = await self._bundle(request)
-        try:
-            return await self._call(model, "generate", request, route=self._hint(request, session), adapter=bundle)
-        except ReplicaLostError as exc:
-            # Nothing was produced for the caller yet: one more try, on a live replica. The router is told to
-            # avoid the dead one: Serve drops it from the candidates once it learns of the death, which can come
-            # after this retry is routed (a session's hash would send the retry straight back to it).
-            log.warning("request %s lost its replica (%s); retrying once", request.request_id, exc)
-            avoid = frozenset({exc.replica} - {""})
-            return await self._call(model, "generate", request, route=self._hint(request, session, avoid),
-                                    adapter=bundle)
+        return await self._call_again_if_lost(model, "generate", request, route=self._hint(request, session),
+                                              adapter=bundle)
 
     async def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
         bundle = await self._bundle(request)

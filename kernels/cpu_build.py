@@ -124,10 +124,9 @@ def prebuild() -> tuple[list[str], list[str]]:
     jobs = [(name, build_flags) for build_flags in flag_sets for name in names]
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         done = list(pool.map(lambda job: build(*job) is not None, jobs))
-    built = [f"{name} ({'avx2' if f == FLAGS else 'native'})" for (name, f), ok in zip(jobs, done, strict=True) if ok]
-    failed = [f"{name} ({'avx2' if f == FLAGS else 'native'})" for (name, f), ok in zip(jobs, done, strict=True)
-              if not ok]
-    return built, failed
+    labels = [f"{name} ({'avx2' if f == FLAGS else 'native'})" for name, f in jobs]
+    return ([label for label, ok in zip(labels, done, strict=True) if ok],
+            [label for label, ok in zip(labels, done, strict=True) if not ok])
 
 
 def main() -> int:
