@@ -312,6 +312,9 @@ class Generation:
             finals = await self.run.collect()
         except EngineError as exc:
             await self.fail(errors.from_engine(exc, self.job.model))
+        except asyncio.CancelledError:
+            await self._meter_departure()
+            raise
         failed = failed_output(self.run)
         if failed is not None:
             raise errors.internal(f"The engine failed this request: {failed.error or 'unknown error'}")
@@ -326,6 +329,15 @@ class Generation:
             self._first = await anext(self._iter)
         except EngineError as exc:
             await self.fail(errors.from_engine(exc, self.job.model))
+        except asyncio.CancelledError:
+            await self._meter_departure()
+            raise
+
+    async def _meter_departure(self) -> None:
+        """The client went away before its answer began (the server cancels the request's task; a request still
+        queued for a slot ends so). Its engine work is aborted on the way out; the request is metered all the same,
+        as aborted."""
+        await write_usage(self.adm, self.usage_record())
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every output of an opened stream; metering happens when the stream ends or the client leaves."""
