@@ -2,7 +2,8 @@
 
 A replica that dies takes its requests with it: they end with ReplicaLostError (an EngineDeadError, so the
 control plane answers 503 and batch items are given back and run again). A non-streaming request is retried
-once first, routed away from the replica that died (named in Ray's error), so the retry lands on a live one; so
+once first, routed away from the replica that died (named in Ray's error, or known to the router by its actor
+id), so the retry lands on a live one; so
 are the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's compile),
 which a request makes before it generates.
 """
@@ -22,6 +23,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from fleet.actors import actor_label
 from fleet.adapters import AdapterBundle, digest, read_files
 from fleet.app import DEPLOYMENT, app_name, connect
 from fleet.routing import RouteHint
@@ -48,8 +50,11 @@ _REPLICA_NAME = re.compile(r"SERVE_REPLICA::[^\s#]+#[^\s#]+#(\w+)")
 
 
 def _lost(cause: BaseException) -> ReplicaLostError:
+    """The replica is named in the message of an actor's death; an unavailable actor gives only its id, which
+    the router of this process has seen."""
     found = _REPLICA_NAME.search(str(cause))
-    return ReplicaLostError(f"the replica serving the request died: {cause}", found.group(1) if found else "")
+    label = found.group(1) if found else actor_label(str(getattr(cause, "actor_id", None) or ""))
+    return ReplicaLostError(f"the replica serving the request died: {cause}", label)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from fleet.actors import note_actor
 from fleet.routing import KEY_BYTES, Policy, PrefixMemory, ReplicaState, RouteHint
 
 ROUTE_KWARG = "route"  # the keyword argument of a replica call that carries its RouteHint
@@ -62,6 +63,8 @@ class HearthRouter(RequestRouter):
             return []
         hint = _hint(pending_request)
         by_label = {replica_label(r.replica_id): r for r in candidate_replicas}
+        for label, replica in by_label.items():
+            note_actor(replica.actor_id.hex(), label)  # so a retry can avoid it by its id
         decision = self.policy.decide(hint, [self._state(r) for r in candidate_replicas], self.memory)
         self.decisions[decision.reason] += 1
         ranked = [by_label[label] for label in decision.ranking]

@@ -14,6 +14,7 @@ from cp_support import CHAT_MODEL
 from test_live_server import client_for, live, wait_for_events  # noqa: F401  (live is a fixture)
 
 from controlplane.usage.models import UsageEvent
+from fleet.actors import actor_label
 from tests.engine.conftest import build_tiny_model
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.once]
@@ -69,7 +70,10 @@ def kill(replica: str) -> None:
 
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{replica}"):
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            # The router of this process has seen it: a retry avoids it even where Ray's error gives only its id.
+            assert actor_label(handle._actor_id.hex()) == replica
+            ray.kill(handle, no_restart=True)
             return
     raise AssertionError(f"no replica actor {replica}")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from fleet.actors import note_actor
 from fleet.client import FleetClient, ReplicaLostError, _engine_error
 from inference.errors import EngineDeadError, EngineOverloadedError
 
@@ -25,6 +27,18 @@ def test_a_dead_replica_is_named_so_the_retry_can_avoid_it() -> None:
     assert isinstance(_engine_error(wrapped), ReplicaLostError)
     # No name in the message (a death Ray could not attribute): still lost, nothing to avoid.
     assert _engine_error(ActorDiedError()).replica == ""
+
+
+def test_an_unavailable_replica_is_known_by_its_actor_id() -> None:
+    # Ray's ActorUnavailableError names only the actor id; the router of this process noted which replica it is.
+    actor, stranger = ray.ActorID.from_random(), ray.ActorID.from_random()
+    note_actor(actor.hex(), "q1w2e3r4")
+    lost = _engine_error(ActorUnavailableError("the connection to it was lost", actor.binary()))
+    assert isinstance(lost, ReplicaLostError) and lost.replica == "q1w2e3r4"
+    assert _engine_error(RayTaskError("stream", "tb", ActorUnavailableError("gone", actor.binary()))).replica == (
+        "q1w2e3r4")
+    # An actor no router here has seen: still lost, nothing to avoid.
+    assert _engine_error(ActorUnavailableError("gone", stranger.binary())).replica == ""
 
 
 def test_the_engines_own_errors_pass_through_and_others_are_a_dead_engine() -> None:
