@@ -7,7 +7,9 @@ Decode has the same contract as `triton_paged_attention.paged_decode_attention`,
 `paged_attention.causal_attention_ref` without a sliding window or softcap. Built by kernels/cpu_build;
 `supports` and `supports_causal` say whether a call can take these paths (fp32 or bf16 on CPU, head_dim a
 multiple of the vector width, the kernels' stack bounds). All sums are fp32 and bf16 outputs are rounded once at
-the end, so bf16 results are at least as close to an fp32 computation as the references'. The chunk after a
+the end, so bf16 results are at least as close to an fp32 computation as the references'. On AMX CPUs bf16 prompts
+multiply on the tiles, their probabilities rounded to bf16 as in torch's bf16 attention (`causal_amx`): as close as
+that reference, no closer. The chunk after a
 cached start stands in for `paged_attention.paged_prefill_attention_ref` where nothing was evicted from the
 sequence's blocks (entry t holds position t), also without a sliding window or softcap.
 """
@@ -83,10 +85,19 @@ def _causal_library() -> ctypes.CDLL | None:
                                                  + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])
         lib.hearth_causal_attention.restype = lib.hearth_prefill_attention.restype = None
         lib.hearth_causal_attention_tile.argtypes, lib.hearth_causal_attention_tile.restype = [], ctypes.c_int64
+        lib.hearth_causal_attention_amx.argtypes = [ctypes.c_int64]
+        lib.hearth_causal_attention_amx.restype = ctypes.c_int64
     return lib
 
 
 MAX_CAUSAL_DIM = 512  # head_dim the prompt kernel's stack buffers hold
+
+
+def causal_amx(head_dim: int) -> bool:
+    """Whether bf16 prompts of this head_dim run on AMX tiles (csrc/causal_attention_amx.h): both products on the
+    tiles, the probabilities rounded to bf16 for the second, as torch's own bf16 attention rounds them."""
+    lib = _causal_library()
+    return lib is not None and bool(lib.hearth_causal_attention_amx(head_dim))
 
 
 def supports_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
  * s <= t of (q[t, h] . k[s, h / G]) * scale, times v[s, h / G]. A fresh prompt (nothing cached before it) passes
  * its own k and v; the next chunk of a prompt whose start is cached reads its keys from the paged KV pool, the
  * chunk's queries sitting after them. All arithmetic is fp32; bf16 inputs are widened once and the output
- * rounded once.
+ * rounded once. On AMX CPUs bf16 prompts run on the tiles instead (causal_attention_amx.h).
  *
  * torch's SDPA took about 1 ms a layer for a 165-token prompt of SmolLM2 (9 query heads, 3 kv heads, head_dim
  * 64): its per-call setup and the expanded key/value copies for the grouped heads cost more than the ~1 MFLOP of
@@ -175,10 +175,20 @@ static inline __attribute__((always_inline)) void attend(const float *const qv[Q
     }
 }
 
+#ifdef __AMX_BF16__
+#include "causal_attention_amx.h"
+#endif
+
 /* The prompt's T queries after `ctx` earlier keys: query row r sits at position ctx + r and sees keys 0..ctx + r
  * of the S = ctx + T in K. */
 static void attention(const void *q, int64_t sq, const Keys *K, void *out, int64_t T, int64_t ctx, int64_t hq,
                       int64_t hkv, int64_t D, float scale, int bf16, float *scratch, int64_t threads) {
+#ifdef __AMX_BF16__
+    if (bf16 && attention_amx_takes(D)) {
+        amx_attention(q, sq, K, out, T, ctx, hq, hkv, D, scale, scratch, threads);
+        return;
+    }
+#endif
     const int64_t S = ctx + T, tpad = (S + KT - 1) / KT * KT, G = hq / hkv;
     float *qs = scratch, *kt = qs + T * hq * D, *vw = kt + hkv * D * tpad;
     prepare(q, sq, K, T, S, hq, hkv, D, tpad, scale, bf16, qs, kt, vw, threads);
@@ -233,3 +243,14 @@ void hearth_prefill_attention(const void *q, const void *k_cache, const void *v_
 }
 
 int64_t hearth_causal_attention_tile(void) { return KT; }
+
+/* Whether bf16 prompts of this head_dim run on AMX tiles here (causal_attention_amx.h: the probabilities rounded
+ * to bf16 for the value product, as torch's own bf16 attention rounds them). */
+int64_t hearth_causal_attention_amx(int64_t D) {
+#ifdef __AMX_BF16__
+    return attention_amx_takes(D);
+#else
+    (void)D;
+    return 0;
+#endif
+}

@@ -37,12 +37,17 @@ def test_kernel_matches_the_reference(seed: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_bf16_matches_the_fp32_reference_within_bf16_rounding(seed: int) -> None:
     """bf16 inputs are widened and all arithmetic is fp32: as close to the fp32 reference over the same
-    (bf16-valued) inputs as the bf16 reference gets, or closer."""
+    (bf16-valued) inputs as the bf16 reference gets, or closer. On AMX tiles the probabilities are rounded to bf16
+    before the value product, as the bf16 reference (torch's flash attention) rounds them: as close as it, on
+    average and at worst."""
     gen = torch.Generator().manual_seed(50 + seed)
-    tokens, q_heads, kv_heads, head_dim = ((165, 9, 3, 64), (40, 14, 2, 64), (97, 8, 8, 128), (3, 4, 1, 32))[seed]
+    # on AMX tiles: key blocks of 64 and a last partial one, 16 query vectors a tile and fewer, channels four
+    # tiles of 16 at a time and two
+    tokens, q_heads, kv_heads, head_dim = ((165, 9, 3, 64), (40, 14, 2, 64), (97, 8, 8, 128), (3, 4, 1, 32),
+                                           (300, 14, 2, 64), (70, 6, 2, 96))[seed]
     q, k, v = (x.bfloat16() for x in _qkv(gen, tokens, q_heads, kv_heads, head_dim))
     scale = head_dim ** -0.5
     positions = torch.arange(tokens)
@@ -50,9 +55,13 @@ def test_bf16_matches_the_fp32_reference_within_bf16_rounding(seed: int) -> None
     assert cpa.supports_causal(q, k, v)
     got = cpa.causal_attention(q, k, v, scale)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
     ref16 = pa.causal_attention_ref(q, k, v, positions, scale).float()
-    assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
+    error, ref_error = (got.float() - want).abs(), (ref16 - want).abs()
+    if cpa.causal_amx(head_dim):
+        assert error.mean() <= ref_error.mean() * 1.05
+    else:
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
+    assert error.max() <= ref_error.max() + 1e-3
 
 
 def _pool_with_prompt(gen: torch.Generator, dtype: torch.dtype, total: int, kv_heads: int, head_dim: int,
