@@ -49,6 +49,7 @@ static inline void attention_amx_configure(void) {
         c.colsb[t] = 64;
         c.rows[t] = 16;
     }
+    TILE_LOADS_SEE_STORES(); /* its asm says it reads only the first 8 bytes of c */
     _tile_loadconfig(&c);
 }
 
@@ -203,6 +204,7 @@ static void amx_vectors(const uint16_t *q, const int64_t from[16], const float p
         last = pos[i] > last ? pos[i] : last;
     }
     memset(o, 0, sizeof(float) * 16 * (size_t)D);
+    TILE_LOADS_SEE_STORES(); /* qb, and o below */
     for (int64_t t0 = 0; t0 <= (int64_t)last; t0 += AK) {
         const int64_t keys = (int64_t)last + 1 - t0 < AK ? (int64_t)last + 1 - t0 : AK;
         const int64_t groups = (keys + 15) / 16, chunks = (keys + 31) / 32;
@@ -223,6 +225,7 @@ static void amx_vectors(const uint16_t *q, const int64_t from[16], const float p
                     _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d),
                                                                   _mm512_set1_ps(shrink[i])));
         }
+        TILE_LOADS_SEE_STORES(); /* the probabilities, and o scaled */
         for (int64_t c0 = 0; c0 < D; c0 += 64) {
             if (D - c0 >= 64) amx_values(4, chunks, pb, vv, t0, c0, D, o);
             else amx_values(2, chunks, pb, vv, t0, c0, D, o); /* D % 32 == 0 */

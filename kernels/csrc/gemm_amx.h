@@ -53,6 +53,7 @@ static inline void amx_configure(void) {
         c.colsb[t] = 64;
         c.rows[t] = AMX_ROWS;
     }
+    TILE_LOADS_SEE_STORES(); /* its asm says it reads only the first 8 bytes of c */
     _tile_loadconfig(&c);
 }
 
@@ -153,6 +154,7 @@ static void amx_product(int kind, const uint16_t *x, const uint16_t *packed, con
         tail = calloc((size_t)(AMX_ROWS * k), sizeof *tail);
         if (!tail) return;
         memcpy(tail, x + tail_from * k, (size_t)((m - tail_from) * k) * sizeof *tail);
+        TILE_LOADS_SEE_STORES();
     }
     DEAL_COUNTS(counts, threads);
 #pragma omp parallel num_threads(counts_team)

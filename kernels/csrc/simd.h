@@ -5,6 +5,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Before an AMX tile load (or tile configuration) from a buffer the code just filled with ordinary stores: GCC's
+ * _tile_loadd is an asm statement that does not say it reads memory (its _tile_stored says it writes), and its
+ * _tile_loadconfig says it reads 8 bytes, so without this compiler barrier those stores may be dropped as dead or
+ * moved past the load (seen at -O3 in a trial kernel: a buffer filled for a tile load read as zeros, and a tile
+ * load faulting after a configuration whose stores the compiler had dropped). */
+#define TILE_LOADS_SEE_STORES() __asm__ __volatile__("" ::: "memory")
+
 /* The sum of a vector's eight lanes. */
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
