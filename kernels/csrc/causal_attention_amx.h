@@ -17,41 +17,21 @@
  *    consecutive channels;
  *  - queries and probabilities are left operands, rows as they are (a vector's channels, a vector's keys).
  * Per task (16 query rows x one kv head, as the fp32 path deals them), sixteen query vectors at a time walk the
- * keys 64 at a time: four score tiles, stored for the softmax; the running outputs O [16][D] live in an L1 buffer,
- * scaled when the running max moves, and go through the tiles four channel tiles at a time per block of keys.
+ * keys AK at a time: score tiles four at a time, stored for the softmax; the running outputs O [16][D] live in an
+ * L1 buffer, scaled when the running max moves, and go through the tiles (four channel tiles at a time) once per
+ * block of keys.
  */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #define AK 128 /* keys per block: eight score tiles of 16, four at a time */
 
 static int attention_amx_permitted;
 
-/* Linux grants the tiles' register state per process on request (as gemm_amx.h asks too; asking twice is fine). */
 __attribute__((constructor)) static void attention_amx_request(void) {
-    attention_amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    attention_amx_permitted = amx_request_permission();
 }
 
 static inline int attention_amx_takes(int64_t D) { return attention_amx_permitted && D % 32 == 0 && D <= MAX_DIM; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attention_tile_config;
-
-/* palette 1, eight tiles of 16 rows of 64 bytes. */
-static inline void attention_amx_configure(void) {
-    attention_tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    TILE_LOADS_SEE_STORES(); /* its asm says it reads only the first 8 bytes of c */
-    _tile_loadconfig(&c);
-}
 
 /* The keys and values of K in the tiles' layouts (above), zero past S. Parallel over pairs of keys. */
 static void amx_prepare(const Keys *K, int64_t S, int64_t hkv, int64_t D, int64_t tpad, uint32_t *kt, uint32_t *vv,
@@ -247,7 +227,7 @@ static void amx_attention(const uint16_t *q, int64_t sq, const Keys *K, uint16_t
     amx_prepare(K, S, hkv, D, tpad, kt, vv, threads);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
-        attention_amx_configure();
+        amx_configure();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tiles * hkv; task++) {
             const int64_t tile = tiles - 1 - task / hkv, h = task % hkv; /* largest first, as the fp32 path */

@@ -18,8 +18,8 @@
  * through gemm.c's row epilogues (bias, rounding, SiLU * up), so each output is rounded once, as there.
  */
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #define AMX_ROWS 16 /* rows of an x tile */
 #define AMX_K 32    /* k per tile multiply */
@@ -29,33 +29,9 @@
 
 static int amx_permitted;
 
-/* Linux hands out the tiles' 8 KB of register state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); a process that uses them without it is killed. oneDNN asks the same. */
-__attribute__((constructor)) static void amx_request(void) {
-    amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
+__attribute__((constructor)) static void amx_request(void) { amx_permitted = amx_request_permission(); }
 
 static inline int amx_takes(int64_t k) { return amx_permitted && k % AMX_K == 0; }
-
-/* palette 1: eight tiles of 16 rows of 64 bytes (the layout ldtilecfg reads). Loading a configuration zeroes the
- * tiles, so each thread loads it once, before its products. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-static inline void amx_configure(void) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = AMX_ROWS;
-    }
-    TILE_LOADS_SEE_STORES(); /* its asm says it reads only the first 8 bytes of c */
-    _tile_loadconfig(&c);
-}
 
 /* The 32 lines of weights AMX_AHEAD steps on: a step's weight tiles wait on memory otherwise (the prefetchers do
  * not follow tile loads well). Past a block's end this reads the thread's next block, which follows it. */
