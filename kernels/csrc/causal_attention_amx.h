@@ -58,7 +58,7 @@ static void amx_prepare(const Keys *K, int64_t S, int64_t hkv, int64_t D, int64_
 /* Scores of the 16 vectors in qb [16][D] against keys [t0, t0 + 16 * groups) of kt (one kv head) into
  * s [16][AK] (from its column 0), unscaled. groups (1-4) is a constant once inlined: tile numbers must be. */
 static inline __attribute__((always_inline)) void amx_scores(int groups, const uint16_t *qb, const uint32_t *kt,
-                                                              int64_t t0, int64_t D, int64_t tpad, float *s) {
+                                                              int64_t t0, int64_t D, float *s) {
     _tile_zero(0);
     if (groups > 1) _tile_zero(1);
     if (groups > 2) _tile_zero(2);
@@ -150,7 +150,7 @@ static inline float amx_exp_row(const float *s, int64_t vecs, float m, uint16_t 
     return _mm512_reduce_add_ps(sum);
 }
 
-#define AMX_SCORES(G, AT) amx_scores(G, qb, kt, t0 + (AT), D, tpad, sb + (AT))
+#define AMX_SCORES(G, AT) amx_scores(G, qb, kt, t0 + (AT), D, sb + (AT))
 
 /* Scores of keys [t0 + at, t0 + at + 16 * groups) into columns [at, ...) of sb, groups 1-4. */
 #define AMX_SCORE_PART(GROUPS, AT)                                                                                \
@@ -167,8 +167,7 @@ static inline float amx_exp_row(const float *s, int64_t vecs, float m, uint16_t 
  * then the values; the running outputs make one trip through the tiles per block (which is why a block is long:
  * a tile load of what the vector code just stored waits for it). */
 static void amx_vectors(const uint16_t *q, const int64_t from[16], const float pos_in[16], const int64_t to[16],
-                        int nv, uint16_t *out, const uint32_t *kt, const uint32_t *vv, int64_t D, int64_t tpad,
-                        float scale) {
+                        int nv, uint16_t *out, const uint32_t *kt, const uint32_t *vv, int64_t D, float scale) {
     _Alignas(64) uint16_t qb[16 * MAX_DIM];
     _Alignas(64) float o[16 * MAX_DIM];
     _Alignas(64) float sb[16 * AK];
@@ -214,7 +213,8 @@ static void amx_vectors(const uint16_t *q, const int64_t from[16], const float p
     for (int i = 0; i < nv; i++) {
         const __m256 inv = _mm256_set1_ps(1.f / run_sum[i]);
         for (int64_t d = 0; d < D; d += 8)
-            _mm_storeu_si128((__m128i *)(out + to[i] + d), narrow8_bf16(_mm256_mul_ps(_mm256_loadu_ps(o + i * D + d), inv)));
+            _mm_storeu_si128((__m128i *)(out + to[i] + d),
+                             narrow8_bf16(_mm256_mul_ps(_mm256_loadu_ps(o + i * D + d), inv)));
     }
 }
 
@@ -242,8 +242,7 @@ static void amx_attention(const uint16_t *q, int64_t sq, const Keys *K, uint16_t
                     to[i] = (r * hq + head) * D;
                     pos[i] = (float)(ctx + r);
                 }
-                amx_vectors(q, from, pos, to, nv, out, kt + h * (D / 2) * tpad, vv + h * (tpad / 2) * D, D, tpad,
-                            scale);
+                amx_vectors(q, from, pos, to, nv, out, kt + h * (D / 2) * tpad, vv + h * (tpad / 2) * D, D, scale);
             }
         }
         _tile_release();
