@@ -3,8 +3,8 @@
 A replica that dies takes its requests with it: they end with ReplicaLostError (an EngineDeadError, so the
 control plane answers 503 and batch items are given back and run again). A non-streaming request is retried
 once first, routed away from the replica that died (named in Ray's error, or known to the router by its actor
-id), so the retry lands on a live one; so
-are the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's compile),
+id), so the retry lands on a live one; so are streams that lost their replica before their first output, and
+the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's compile),
 which a request makes before it generates.
 """
 
@@ -168,19 +168,28 @@ class FleetClient:
                                               adapter=bundle)
 
     async def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the replica makes them. A stream whose replica dies before its first output
+        has given the caller nothing, so it is tried once more elsewhere, like a non-streaming request; after
+        that the caller has text it cannot take back, and the loss is raised."""
         bundle = await self._bundle(request)
-        responses = self.handle(model).options(stream=True).stream.remote(
-            request, route=self._hint(request, session), adapter=bundle)
-        try:
-            async for out in responses:
-                yield out
-        except BaseException as exc:
-            mapped = _engine_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from None
-        finally:
-            responses.cancel()  # the client left early: the replica aborts the engine request
+        route, begun = self._hint(request, session), False
+        for attempt in (1, 2):
+            responses = self.handle(model).options(stream=True).stream.remote(request, route=route, adapter=bundle)
+            try:
+                async for out in responses:
+                    begun = True
+                    yield out
+                return
+            except BaseException as exc:
+                mapped = _engine_error(exc)
+                if mapped is exc:
+                    raise
+                if not (isinstance(mapped, ReplicaLostError) and not begun and attempt == 1):
+                    raise mapped from None
+                log.warning("a stream lost its replica before its first output (%s); retrying once", mapped)
+                route = replace(route, avoid=route.avoid | ({mapped.replica} - {""}))
+            finally:
+                responses.cancel()  # the client left early: the replica aborts the engine request
 
     async def embed(self, model: str, texts: list[str]) -> dict[str, Any]:
         return await self._call(model, "embed", texts)

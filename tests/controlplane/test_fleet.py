@@ -170,8 +170,9 @@ def test_a_replica_killed_under_load_gives_clean_answers_and_the_fleet_recovers(
         kill(victim)
         for f in futures:
             f.result()  # an unexpected exception (a 500, a cut connection) fails the test here
-    # Non-streaming requests that lost their replica were retried on the other one; a stream that had begun
-    # on it ended with an error event and [DONE] (the SDK raises it as an APIError), never a cut connection.
+    # Non-streaming requests that lost their replica were retried on the other one, and so were streams that had
+    # sent nothing yet (a 503 here was such a stream, queued on the victim); a stream that had begun on it ended
+    # with an error event and [DONE] (the SDK raises it as an APIError), never a cut connection.
     assert sorted(outcomes) == sorted(["ok"] * 5 + [o for o in outcomes if o.startswith("stream")])
     assert "stream-error" in outcomes
     # Serve replaces the dead replica; requests flow again, and none goes to the dead one.
