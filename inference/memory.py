@@ -39,10 +39,3 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     raw = torch.frombuffer(region, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start: start + nbytes].view(dtype).view(shape)
-
-
-def copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `tensor` in a buffer from `zeros` (on huge pages where that applies)."""
-    out = zeros(tuple(tensor.shape), tensor.dtype, tensor.device)
-    out.copy_(tensor)
-    return out

@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -106,22 +107,40 @@ class GemvWeight:
         return dataclasses.replace(self, packed=packed)
 
 
-def pack_blocks(w: torch.Tensor, block: int, pairs: bool = False) -> torch.Tensor:
+def plain_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
+Zeros = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def pack_blocks(w: torch.Tensor, block: int, pairs: bool = False, zeros: Zeros = plain_zeros) -> torch.Tensor:
     """w [n, k] -> [ceil(n / block), k, block], each block of outputs one contiguous stream, k-major; with
-    `pairs`, [ceil(n / block), k / 2, block, 2]: each step holds a pair of k per output."""
+    `pairs`, [ceil(n / block), k / 2, block, 2]: each step holds a pair of k per output.
+
+    The result is written once, straight into a buffer from `zeros` (the engine passes one on huge pages): no
+    padded or transposed intermediate, so a model's load writes its weights' bytes once, not three times."""
     n, k = w.shape
-    padded = torch.zeros(-(-n // block) * block, k, dtype=w.dtype)
-    padded[:n] = w
+    count = -(-n // block)
     if pairs:
-        return padded.view(-1, block, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return padded.view(-1, block, k).transpose(1, 2).contiguous()
+        out = zeros((count, k // 2, block, 2), w.dtype)
+        rows, src = out.permute(0, 2, 1, 3), w.reshape(n, k // 2, 2)  # rows[b, j]: output b * block + j
+    else:
+        out = zeros((count, k, block), w.dtype)
+        rows, src = out.transpose(1, 2), w
+    full = n // block
+    if full:
+        rows[:full].copy_(src[: full * block].reshape(full, block, *src.shape[1:]))
+    if n > full * block:  # the last block's outputs past n stay zero
+        rows[full, : n - full * block].copy_(src[full * block:])
+    return out
 
 
-def pack(weight: torch.Tensor) -> GemvWeight:
-    """`weight` [n, k], which `supports` accepted, in this build's layout."""
+def pack(weight: torch.Tensor, zeros: Zeros = plain_zeros) -> GemvWeight:
+    """`weight` [n, k], which `supports` accepted, in this build's layout, in a buffer from `zeros`."""
     lib = _library()
     assert lib is not None
-    packed = pack_blocks(weight.detach(), int(lib.hearth_gemv_block_width()), _pairs(weight.dtype))
+    packed = pack_blocks(weight.detach(), int(lib.hearth_gemv_block_width()), _pairs(weight.dtype), zeros)
     return GemvWeight(packed, weight.shape[0], weight.shape[1])
 
 

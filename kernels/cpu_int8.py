@@ -71,14 +71,16 @@ class Int8Weight:
     pairs: bool = False
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, activations: torch.dtype | None = None) -> Int8Weight:
-        """Quantized and packed for products with x of dtype `activations` (default: the weight's own)."""
+    def from_float(cls, weight: torch.Tensor, activations: torch.dtype | None = None,
+                   zeros: cpu_gemv.Zeros = cpu_gemv.plain_zeros) -> Int8Weight:
+        """Quantized and packed for products with x of dtype `activations` (default: the weight's own), the
+        blocks in a buffer from `zeros`."""
         q, scale = quantize(weight)
         lib = _library() if weight.device.type == "cpu" else None
         block = int(lib.hearth_i8_block_width()) if lib is not None else 0
         pairs = bool(block and lib.hearth_i8_bf16_pairs()) and (activations or weight.dtype) == torch.bfloat16 \
             and q.shape[1] % 2 == 0
-        packed = cpu_gemv.pack_blocks(q, block, pairs) if block else q
+        packed = cpu_gemv.pack_blocks(q, block, pairs, zeros) if block else q
         return cls(packed, scale.to(weight.device), q.shape[0], q.shape[1], block, pairs)
 
     def unpacked(self) -> torch.Tensor:

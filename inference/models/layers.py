@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -62,9 +61,8 @@ class Linear:
         gemv = cpu_gemv.supports(weight) and (bias is None or bias.dtype == weight.dtype)
         self.gemv_weight: cpu_gemv.GemvWeight | None = None
         if gemv:
-            packed = cpu_gemv.pack(weight)
             # The blocks gemv streams every decode step live on huge pages (inference/memory.py).
-            self.gemv_weight = packed.with_packed(memory.copy(packed.packed))
+            self.gemv_weight = cpu_gemv.pack(weight, memory.zeros)
         # Products of more rows on those blocks too where kernels/cpu_gemv's gemm takes them (it keeps level with
         # or ahead of oneDNN); then every product runs on them, and oneDNN's copy would only cost the weights'
         # size again.
@@ -108,9 +106,8 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        quantized = cpu_int8.Int8Weight.from_float(weight)
         # The packed blocks decode streams every step live on huge pages (inference/memory.py).
-        self.weight = dataclasses.replace(quantized, packed=memory.copy(quantized.packed))
+        self.weight = cpu_int8.Int8Weight.from_float(weight, zeros=memory.zeros)
         self.bias = bias.contiguous() if bias is not None else None
         self.nbytes = self.weight.nbytes + (bias.numel() * bias.element_size() if bias is not None else 0)
 

@@ -104,3 +104,18 @@ def test_packing_keeps_every_weight_and_any_row_count_works(dtype: torch.dtype) 
         x = torch.randn(5, k, generator=gen).to(dtype)  # more rows than decode sends: two at a time
         got = cpu_gemv.gemv(x, packed).float()
         torch.testing.assert_close(got, cpu_gemv.gemv_ref(x.float(), w.float()), rtol=2 ** -7, atol=1e-4)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_blocks_hold_each_output_at_its_place_and_zeros_past_the_last(pairs: bool) -> None:
+    gen = torch.Generator().manual_seed(12)
+    for n, k, block in ((1, 2, 16), (33, 10, 16), (64, 8, 32), (70, 6, 32)):
+        w = torch.randn(n, k, generator=gen)
+        out = cpu_gemv.pack_blocks(w, block, pairs)
+        count = -(-n // block)
+        padded = torch.cat([w, torch.zeros(count * block - n, k)])
+        # the definition: output b * block + j, input i lies at [b, i, j], or at [b, i // 2, j, i % 2] in pairs
+        for b in range(count):
+            for j in range(block):
+                row = out[b, :, j].reshape(-1) if pairs else out[b, :, j]
+                assert torch.equal(row, padded[b * block + j]), (n, k, block, b, j)
