@@ -15,13 +15,15 @@ On CUDA the Triton kernels in `triton_lora.py` compute this from the per-row slo
 (shrink, then expand). On CPU the cost is the number of small ops, not flops, so the engine keeps each adapter
 *packed* instead (`pack`): one A of the sub-modules it adapts stacked [k*r, in], and one B [out, k*r] that puts
 each sub-module's ranks under its own output columns, with the scale folded in. With the step's rows sorted by
-adapter once (`lora_apply_packed`), a projection then costs one gather, two matmuls per adapter present and one
-scatter-add, whatever the sub-modules and ranks.
+adapter once (`lora_apply_packed`), a projection then costs one gather, two products per adapter present and one
+scatter-add, whatever the sub-modules and ranks. The engine runs those products on its own CPU layers
+(inference/models/layers.Linear: the GEMV and GEMM that stream the base's weights), which read the adapters'
+weights faster than torch's matmul at a few rows each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,19 +41,29 @@ def pack(subs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], bounds: Sequenc
     return a, b.to(dtype)
 
 
-def lora_apply_packed(y: torch.Tensor, x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
-                      order: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-    """y [T, out] += LoRA(x [T, in]) with packed adapters; returns y (changed in place).
+Product = Callable[[torch.Tensor], torch.Tensor]  # rows [m, in] -> rows times a matrix: [m, out]
 
-    order: the rows that use an adapter, sorted so each adapter's rows are contiguous; spans: (slot, start, end)
-    ranges of `order`. Rows of a slot whose weights are None (it does not adapt this projection) add nothing."""
-    dtype = next(w[0].dtype for w in weights if w is not None)
+
+def matmuls(a: torch.Tensor, b: torch.Tensor) -> tuple[Product, Product]:
+    """A packed adapter's two products as plain torch matmuls (the engine passes its CPU layers instead)."""
+    return (lambda rows: rows @ a.t()), (lambda rows: rows @ b.t())
+
+
+def lora_apply_packed(y: torch.Tensor, x: torch.Tensor, weights: Sequence[tuple[Product, Product] | None],
+                      order: torch.Tensor, spans: Sequence[tuple[int, int, int]],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [T, out] += LoRA(x [T, in]) with packed adapters, computed in `dtype`; returns y (changed in place).
+
+    weights: per slot, the products by its packed A and B (see `pack`), or None where it does not adapt this
+    projection (its rows add nothing); order: the rows that use an adapter, sorted so each adapter's rows are
+    contiguous; spans: (slot, start, end) ranges of `order`."""
     xs = x.index_select(0, order).to(dtype)
     delta = torch.zeros(order.numel(), y.shape[1], dtype=dtype, device=y.device)
     for slot, start, end in spans:
         w = weights[slot]
         if w is not None:
-            torch.matmul(torch.matmul(xs[start:end], w[0].t()), w[1].t(), out=delta[start:end])
+            shrink, expand = w
+            delta[start:end] = expand(shrink(xs[start:end]))
     return y.index_add_(0, order, delta.to(y.dtype))
 
 

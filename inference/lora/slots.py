@@ -33,6 +33,7 @@ from inference.lora.format import (
     inspect_adapter_dir,
     load_pairs,
 )
+from inference.models.layers import Linear
 from kernels import lora as lora_ref
 
 
@@ -90,7 +91,7 @@ class LoRASlots:
                  stacked: bool = False) -> None:
         self.base, self.num_layers = base, num_layers
         self.stacked = stacked  # the Triton kernels' layout; packed per adapter otherwise
-        self.packed: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        self.packed: dict[tuple[int, str], list[tuple[lora_ref.Product, lora_ref.Product] | None]] = {}
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype, self.device = dtype, device
         self.host_cache = host_cache or 4 * max_loras
@@ -175,9 +176,11 @@ class LoRASlots:
             targets[key] = tuple(sorted(sub for sub, _, _ in subs))
             if not self.stacked:
                 packed = self.packed.setdefault(key, [None] * self.max_loras)
-                # fp32: these matmuls are tiny, and a CPU without native bf16 runs bf16 ones several times slower.
+                # fp32: these products are small, and a CPU without native bf16 runs bf16 ones several times
+                # slower. On the CPU layers the base runs on (kernels/lora.py says why).
                 a_p, b_p = lora_ref.pack(subs, bounds, host.spec.scaling, torch.float32)
-                packed[index] = (a_p.to(self.device), b_p.to(self.device))
+                packed[index] = ((Linear(a_p), Linear(b_p)) if self.device.type == "cpu"
+                                 else lora_ref.matmuls(a_p.to(self.device), b_p.to(self.device)))
                 continue
             a, b = self._stack(key)
             for sub, a_w, b_w in subs:

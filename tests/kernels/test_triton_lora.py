@@ -19,7 +19,7 @@ triton_lora = pytest.importorskip("kernels.triton_lora")
 if not triton_lora.available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-from kernels.lora import lora_apply_packed, lora_apply_ref, pack  # noqa: E402
+from kernels.lora import lora_apply_packed, lora_apply_ref, matmuls, pack  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QKV = (0, 48, 72, 96)  # q wider than k and v, as with grouped-query attention
@@ -140,16 +140,23 @@ def test_strided_inputs_are_read_and_written_in_place() -> None:
     torch.testing.assert_close(y_storage.t(), reference(case), atol=1e-4, rtol=1e-5, msg=case.msg)
 
 
+@pytest.mark.parametrize("products", ["torch", "engine"])
 @pytest.mark.parametrize(("ranks", "targets"), [
     ([16, 4, 8, 1], [[0, 1, 2], [0, 2], [1], [0, 1, 2]]),
     ([6, 6, 6, 6], None),
+    ([1, 2, 16, 3], [[1], [2], [0, 1, 2], [0]]),
 ])
-def test_packed_cpu_path_matches_reference(ranks, targets) -> None:
+def test_packed_cpu_path_matches_reference(ranks, targets, products) -> None:
+    """The packed path with torch's matmuls, and with the engine's CPU layers as the products (its GEMV for one
+    or two rows of an adapter, its GEMM for more; k down to one rank)."""
+    from inference.models.layers import Linear
+
     case = make_case(24, 64, QKV, 16, ranks, targets, device="cpu")
     bounds = case.bounds
-    packed = [pack([(j, case.a[s, j, :r], case.b[s, bounds[j]:bounds[j + 1], :r]) for j in subs], bounds,
-                   float(case.scale[s]))
-              for s, (r, subs) in enumerate(zip(case.ranks, case.targets, strict=True))]
+    matrices = [pack([(j, case.a[s, j, :r], case.b[s, bounds[j]:bounds[j + 1], :r]) for j in subs], bounds,
+                     float(case.scale[s]))
+                for s, (r, subs) in enumerate(zip(case.ranks, case.targets, strict=True))]
+    packed = [matmuls(a, b) if products == "torch" else (Linear(a), Linear(b)) for a, b in matrices]
     used = torch.nonzero(case.slot >= 0).flatten()
     order = used[torch.argsort(case.slot[used], stable=True)]
     spans, start = [], 0
