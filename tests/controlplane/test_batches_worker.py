@@ -279,6 +279,7 @@ def test_a_lapsed_lease_is_resent_at_once_and_a_restart_ends_the_dead_process_le
     assert time.monotonic() - started < 30  # not the minute the dead lease had left
 
 
+@pytest.mark.once  # the engine's refusal and Celery's retry: the PostgreSQL pass would add 14 s and nothing else
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.real_model
 @pytest.mark.redis
