@@ -102,10 +102,6 @@ class GemvWeight:
         p = self.packed.permute(0, 2, 1, 3) if self.packed.dim() == 4 else self.packed.transpose(1, 2)
         return p.reshape(-1, self.in_features)[: self.out_features]
 
-    def with_packed(self, packed: torch.Tensor) -> GemvWeight:
-        """The same weight with its blocks in another buffer of the same shape (huge pages: inference/memory)."""
-        return dataclasses.replace(self, packed=packed)
-
 
 def plain_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype)
