@@ -145,10 +145,16 @@ class ModelRunner:
         """head: maps final hidden rows to the returned rows (default: the model's full-vocabulary logits).
         between_layers: see DecoderLM.forward."""
         input_ids, batch = self.build(chunks)
-        hidden = self.model.forward(input_ids, batch, self.pool, between_layers)
+        rows, sampled = self._sampled_rows(chunks)
+        keep = None if len(rows) == input_ids.shape[0] else torch.tensor(rows, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, batch, self.pool, between_layers, keep=keep)
         for group in batch.decode_groups:
             group.flush_observations()
-        return self._finish(chunks, hidden, head or self.model.logits)
+        for chunk in chunks:
+            chunk.seq.blocks.lens += chunk.num_tokens
+        if not rows:
+            return StepResult(torch.empty(0, self.model.vocab_size), sampled)
+        return StepResult((head or self.model.logits)(hidden), sampled)
 
     def execute_all_logits(self, chunk: ScheduledChunk) -> torch.Tensor:
         """Logits at every position of one chunk (scoring a prompt), fp32 [num_tokens, vocab]."""
@@ -157,8 +163,10 @@ class ModelRunner:
         chunk.seq.blocks.lens += chunk.num_tokens
         return self.model.logits(hidden)
 
-    def _finish(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-                head: Callable[[torch.Tensor], torch.Tensor]) -> StepResult:
+    @staticmethod
+    def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[ScheduledChunk]]:
+        """The step rows whose next tokens are sampled (a completing chunk's last token and its draft tokens),
+        and those chunks, in step order."""
         rows: list[int] = []
         sampled: list[ScheduledChunk] = []
         end = 0
@@ -167,9 +175,4 @@ class ModelRunner:
             if chunk.completes:
                 rows.extend(range(end - 1 - chunk.num_draft, end))
                 sampled.append(chunk)
-        for chunk in chunks:
-            chunk.seq.blocks.lens += chunk.num_tokens
-        if not rows:
-            return StepResult(torch.empty(0, self.model.vocab_size), sampled)
-        index = torch.tensor(rows, device=hidden.device)
-        return StepResult(head(hidden.index_select(0, index)), sampled)
+        return rows, sampled

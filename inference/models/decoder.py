@@ -239,11 +239,15 @@ class DecoderLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVPool,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden] (normed).
+                between_layers: Callable[[], None] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden] (normed), or only the rows `keep` lists, in its order.
 
         between_layers: called before each layer; the engine serves newly arrived interactive prompts there
-        (a pass of their own over other sequences' blocks), so they need not wait for this pass to end."""
+        (a pass of their own over other sequences' blocks), so they need not wait for this pass to end.
+        keep: the rows whose hidden states the caller reads (a prompt chunk's last token, decodes). Every row
+        still writes its keys and values in every layer, but the last layer's output projection and MLP, which
+        only feed the final states, run on the kept rows alone: a prompt's other tokens skip ~1/num_layers of
+        their products."""
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -253,13 +257,22 @@ class DecoderLM:
                 if between_layers is not None:
                     between_layers()
                 self.decode_stack.layer(step, index)
-            return self._add_norm(step.h, step.x, self.final_norm)[1]
+            final = self._add_norm(step.h, step.x, self.final_norm)[1]
+            return final if keep is None else final.index_select(0, keep)
+        # LoRA steps keep every row: an adapter's rows are found by their place in the whole step.
+        trim = keep if batch.lora is None else None
         residual: torch.Tensor | None = None  # the last sublayer's output, added to h with the next norm
         for index, layer in enumerate(self.layers):
             if between_layers is not None:
                 between_layers()
             h, x = self._add_norm(h, residual, layer.input_norm)
-            x = self._attention(index, layer, x, batch, kv)
+            if trim is not None and index == self.num_layers - 1:
+                x = self._attention(index, layer, x, batch, kv, trim)
+                h = h.index_select(0, trim)
+                if not trim.numel():  # no row samples (a prompt's early chunk): its keys and values are written
+                    return h
+            else:
+                x = self._attention(index, layer, x, batch, kv)
             if layer.pre_ffn_norm is not None:
                 h, x = self._add_norm(h, self._norm(x, layer.post_attn_norm), layer.pre_ffn_norm)
             else:
@@ -281,7 +294,8 @@ class DecoderLM:
             if layer.post_ffn_norm is not None:
                 x = self._norm(x, layer.post_ffn_norm)
             residual = x
-        return self._add_norm(h, residual, self.final_norm)[1]
+        final = self._add_norm(h, residual, self.final_norm)[1]
+        return final if keep is None or trim is not None else final.index_select(0, keep)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
@@ -323,7 +337,9 @@ class DecoderLM:
         return last + 1 - (end - start) if min(lens) == max(lens) == last + 1 else None
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor,
-                   batch: AttentionBatch, kv: KVPool) -> torch.Tensor:
+                   batch: AttentionBatch, kv: KVPool, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention sublayer's output for every row, or for the rows `keep` lists (every row's keys and
+        values are written either way)."""
         tokens = x.shape[0]
         qkv = layer.qkv(x)
         if batch.lora is not None:
@@ -386,5 +402,9 @@ class DecoderLM:
                 out[s:e] = extend(q[s:e], kv.k, kv.v, kv.pos, seg.block_table[index], seg.kv_lens[index],
                                   batch.positions[s:e], self.scale, window, softcap)
         out = out.view(tokens, self.q_size)
+        if keep is not None:
+            out = out.index_select(0, keep)
+            if not keep.numel():
+                return out.new_empty(0, self.hidden_size)
         o = layer.o(out)
         return batch.lora.apply(index, "o", out, o) if batch.lora is not None else o

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inference import (
     LLM,
@@ -65,6 +66,31 @@ def test_chunks_after_a_cached_start_take_the_cpu_prompt_kernel(tiny_llama, refe
     llm = _llm(tiny_llama, device="cpu", max_num_batched_tokens=16, enable_prefix_caching=False)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert chunks, "the longest prompt took several chunks"
+
+
+def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products(tiny_model) -> None:
+    """Only sampled rows read final states, so a prompt's other tokens write their keys and values in the last
+    layer and stop there: prompts split into chunks beside decodes give, at every sampled token, the logprob that
+    scoring the whole sequence at every position gives."""
+    llm = _llm(tiny_model, max_num_batched_tokens=16, enable_prefix_caching=False)
+    last = llm.engine.model.layers[-1]
+    rows = {"first": 0, "last": 0}
+
+    def counting(linear, name: str):
+        def run(x):
+            rows[name] += x.shape[0]
+            return linear(x)
+        return run
+
+    llm.engine.model.layers[0].o = counting(llm.engine.model.layers[0].o, "first")
+    last.o = counting(last.o, "last")
+    prompts = [llm.encode(p, raw=True) for p in PROMPTS]
+    outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))
+    assert rows["last"] < rows["first"] - sum(map(len, prompts)) // 2
+    for prompt, out in zip(prompts, outs, strict=True):
+        logits = llm.engine.prompt_logits(prompt + out.token_ids[:-1])[len(prompt) - 1:]
+        scored = torch.log_softmax(logits, dim=-1)[torch.arange(len(out.token_ids)), out.token_ids]
+        assert [lp.logprob for lp in out.all_logprobs] == pytest.approx(scored.tolist(), abs=1e-4)
 
 
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_llama, reference) -> None:
