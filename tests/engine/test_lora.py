@@ -72,6 +72,27 @@ def test_tiny_logits_match_peft_for_every_architecture(tiny_model: Path, tmp_pat
     del base
 
 
+def test_a_bf16_model_runs_its_adapters_in_bf16_where_the_cpu_multiplies_bf16(tiny_base: Path,
+                                                                            tiny_adapters: list[LoRARequest]) -> None:
+    """On a CPU with native bf16 a bf16 model's adapters are packed in bf16 (half the bytes a step reads), in fp32
+    elsewhere; either way the logits stay as close to PEFT's fp32 ones as the bf16 base's own rounding allows."""
+    from inference.config import default_dtype
+
+    adapter = tiny_adapters[1]  # every projection adapted
+    bf16 = LLM(tiny_base, EngineConfig(dtype="bfloat16", kv_cache_memory="32MiB", max_loras=2))
+    native = default_dtype("cpu") == torch.bfloat16
+    assert bf16.engine.lora.packed_dtype == (torch.bfloat16 if native else torch.float32)
+    ref = peft_reference(tiny_base, adapter.path)
+    for prompt in PROMPTS[:3]:
+        ids = bf16.encode(prompt, raw=True)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+        ours = bf16.engine.prompt_logits(ids, lora=adapter)
+        plain = bf16.engine.prompt_logits(ids)
+        error, effect = (ours - expected).abs().mean().item(), (plain - expected).abs().mean().item()
+        assert error < effect / 4, (prompt, error, effect)
+
+
 def test_tiny_greedy_tokens_match_peft(tiny_base: Path, tiny_adapters: list[LoRARequest], tiny_llm: LLM) -> None:
     for adapter, prompt in zip(tiny_adapters[:3], PROMPTS, strict=False):
         ids = tiny_llm.encode(prompt, raw=True)
