@@ -12,7 +12,8 @@ product that cannot (or a build without the kernels, HEARTH_CPU_KERNELS=off, HEA
 keeps the Python forward. Steps of more than MAX_ROWS sequences run here too where every product of more rows
 is also one of these kernels (cpu_gemv's gemm where the layers route products of many rows to it, int8 on its
 own kernel at any row count; `many_rows`); otherwise (products of many rows on oneDNN) those steps keep the
-Python forward.
+Python forward. Steps with LoRA adapters run here too where every adapter present has its products on these
+kernels in the activations' dtype (`AdapterTable`): each adapted projection adds its rows' deltas in C.
 """
 
 from __future__ import annotations
@@ -49,11 +50,63 @@ class _Model(ctypes.Structure):
                 + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)])
 
 
+class Adapter(ctypes.Structure):
+    _fields_ = [("shrink", Matrix), ("expand", Matrix)]
+
+
+class _Lora(ctypes.Structure):
+    _fields_ = [("table", _c), ("layers", ctypes.c_int64), ("order", _c), ("spans", _c), ("n_spans", ctypes.c_int64),
+                ("xs", _c), ("mid", _c), ("delta", _c)]
+
+
 class _Step(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("rows", "width", "block_size")]
                 + [(name, _c) for name in ("positions", "slots", "tables", "lens", "k_cache", "v_cache", "pos_cache",
                                            "h", "x", "normed", "qkv", "q", "attn", "gate_up", "act", "widened")]
-                + [("has_x", ctypes.c_int64)])
+                + [("has_x", ctypes.c_int64), ("lora", _c)])
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_layer.c's order of a layer's products
+
+
+class AdapterTable:
+    """Every adapter slot's packed products per (layer, projection) as decode_layer.c reads them
+    ([slots][layers][projections]; an empty entry adds nothing), kept beside inference/lora/slots.py's slots."""
+
+    def __init__(self, slots: int, layers: int, dtype: torch.dtype) -> None:
+        self.layers, self.dtype = layers, dtype
+        self.entries = (Adapter * (slots * layers * len(PROJECTIONS)))()
+        self.ready = [True] * slots  # whether every product of the slot's adapter runs here
+        self.widest = 0  # the most columns of any adapter's rank vector (k * r)
+
+    def _index(self, slot: int, layer: int, projection: str) -> int:
+        return (slot * self.layers + layer) * len(PROJECTIONS) + PROJECTIONS.index(projection)
+
+    def clear(self, slot: int) -> None:
+        for i in range(slot * self.layers * len(PROJECTIONS), (slot + 1) * self.layers * len(PROJECTIONS)):
+            self.entries[i] = Adapter()
+        self.ready[slot] = True
+
+    def set(self, slot: int, layer: int, projection: str, shrink: tuple, expand: tuple) -> None:
+        """One projection's products of the adapter in `slot`: each (kernel weight, bias), as `Linear.kernel_weight`
+        gives them, with whether that layer sends more rows to the GEMM; a product this file cannot run (or not
+        for every row count) leaves the slot to the Python forward."""
+        pair = [matrix(weight, bias, self.dtype, gemm) for weight, bias, gemm in (shrink, expand)]
+        if any(m is None or not m.many for m in pair):
+            self.ready[slot] = False
+            return
+        self.entries[self._index(slot, layer, projection)] = Adapter(*pair)
+        self.widest = max(self.widest, pair[0].n)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRows:
+    """A step's adapters for the one-call layers: the table, the rows that use an adapter sorted by slot
+    (`order`, int64), and (slot, start, end) ranges of it (`spans`, int64 [n, 3])."""
+
+    table: AdapterTable
+    order: torch.Tensor
+    spans: torch.Tensor
 
 
 @functools.cache
@@ -146,7 +199,7 @@ class DecodeStep:
     struct: _Step
     h: torch.Tensor
     x: torch.Tensor
-    held: tuple[torch.Tensor, ...]  # what the struct points into, alive until the step is done
+    held: tuple  # what the struct points into (tensors, the adapters' structs), alive until the step is done
 
 
 class DecodeStack:
@@ -178,10 +231,10 @@ class DecodeStack:
 
     def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
               lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              pos_cache: torch.Tensor) -> DecodeStep:
+              pos_cache: torch.Tensor, adapters: AdapterRows | None = None) -> DecodeStep:
         """h [rows, hidden] (one row per sequence, at most MAX_ROWS unless `many_rows`; updated in place);
         positions [rows]; slots [L, Hkv, rows]; tables [L, rows, Hkv, W]; lens [L, rows, Hkv]; the KV pool's caches
-        ([N, block, D] and [N, block])."""
+        ([N, block, D] and [N, block]); the step's LoRA adapters, if any row has one."""
         m = self.model
         rows = h.shape[0]
         assert (rows <= MAX_ROWS or self.many_rows) and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
@@ -194,7 +247,8 @@ class DecodeStack:
         # One allocation for every activation buffer of the step, in elements of the model's dtype.
         sizes = (m.hidden, m.hidden, qkv_width, m.hq * m.head_dim, m.hq * m.head_dim, 2 * m.inter, m.inter)
         scratch = torch.empty(rows * sum(sizes), dtype=self.dtype)
-        widened = torch.empty(rows * self._widest, dtype=torch.float32)
+        widest = max(self._widest, adapters.table.widest if adapters is not None else 0)
+        widened = torch.empty(rows * widest, dtype=torch.float32)
         pointers, offset = [], scratch.data_ptr()
         for size in sizes:
             pointers.append(offset)
@@ -202,9 +256,22 @@ class DecodeStack:
         x = scratch[: rows * m.hidden].view(rows, m.hidden)
         struct = _Step(rows, tables.shape[-1], k_cache.shape[1], positions.data_ptr(), slots.data_ptr(),
                        tables.data_ptr(), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                       pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0)
-        return DecodeStep(struct, h, x, (positions, slots, tables, lens, scratch, widened, k_cache, v_cache,
-                                         pos_cache))
+                       pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0, None)
+        held: tuple = (positions, slots, tables, lens, scratch, widened, k_cache, v_cache, pos_cache)
+        if adapters is not None:
+            order = adapters.order.to(torch.int64).contiguous()
+            spans = adapters.spans.to(torch.int64).contiguous()
+            used = order.numel()
+            widest_in = max(m.hidden, m.hq * m.head_dim, m.inter)
+            widest_out = max(qkv_width, m.hidden, 2 * m.inter)
+            lora_scratch = torch.empty(used * (widest_in + adapters.table.widest + widest_out), dtype=self.dtype)
+            base = lora_scratch.data_ptr()
+            lora = _Lora(ctypes.addressof(adapters.table.entries), adapters.table.layers, order.data_ptr(),
+                         spans.data_ptr(), spans.shape[0], base, base + used * widest_in * m.elem,
+                         base + used * (widest_in + adapters.table.widest) * m.elem)
+            struct.lora = ctypes.addressof(lora)
+            held += (order, spans, lora_scratch, lora, adapters.table)
+        return DecodeStep(struct, h, x, held)
 
     def layer(self, step: DecodeStep, index: int) -> None:
         self._run(self._model_ref, self._refs[index], ctypes.byref(step.struct), index)

@@ -35,6 +35,7 @@ from inference.lora.format import (
     load_pairs,
 )
 from inference.models.layers import Linear
+from kernels import cpu_decode_layer
 from kernels import lora as lora_ref
 
 
@@ -110,6 +111,10 @@ class LoRASlots:
         # base's bytes in fp32 (kernels/lora.py).
         self.packed_dtype = (torch.bfloat16 if device.type == "cpu" and dtype == torch.bfloat16
                              and default_dtype("cpu") == torch.bfloat16 else torch.float32)
+        # Decode steps on the one-call layers (kernels/cpu_decode_layer) read the same products from this table.
+        self.table = (cpu_decode_layer.AdapterTable(max_loras, num_layers, dtype)
+                      if device.type == "cpu" and not stacked and self.packed_dtype == dtype
+                      and cpu_decode_layer.available() else None)
 
     # ----------------------------------------------------------------- host side
     def prepare(self, lora: LoRARequest) -> HostAdapter:
@@ -176,6 +181,8 @@ class LoRASlots:
             self.b[key][index].zero_()
         for packed in self.packed.values():
             packed[index] = None
+        if self.table is not None:
+            self.table.clear(index)
         rank = host.spec.rank
         targets: dict[tuple[int, str], tuple[int, ...]] = {}
         for key, subs in host.weights.items():
@@ -185,8 +192,14 @@ class LoRASlots:
                 packed = self.packed.setdefault(key, [None] * self.max_loras)
                 # On the CPU layers the base runs on (kernels/lora.py says why), in packed_dtype.
                 a_p, b_p = lora_ref.pack(subs, bounds, host.spec.scaling, self.packed_dtype)
-                packed[index] = ((Linear(a_p), Linear(b_p)) if self.device.type == "cpu"
-                                 else lora_ref.matmuls(a_p.to(self.device), b_p.to(self.device)))
+                if self.device.type == "cpu":
+                    shrink, expand = Linear(a_p), Linear(b_p)
+                    packed[index] = (shrink, expand)
+                    if self.table is not None:
+                        self.table.set(index, key[0], key[1], (*shrink.kernel_weight(), shrink.gemm),
+                                       (*expand.kernel_weight(), expand.gemm))
+                else:
+                    packed[index] = lora_ref.matmuls(a_p.to(self.device), b_p.to(self.device))
                 continue
             a, b = self._stack(key)
             for sub, a_w, b_w in subs:
@@ -231,6 +244,14 @@ class LoRASlots:
             spans.append((s, int(start), int(end)))
         return LoRABatch(self, present, max(self.slots[s].rank for s in present),
                          order=torch.from_numpy(order).to(self.device), spans=spans)
+
+    def one_call(self, batch: LoRABatch) -> cpu_decode_layer.AdapterRows | None:
+        """The step's adapters as the one-call decode layers take them, or None where some adapter present must
+        run in the Python forward."""
+        if self.table is None or batch.order is None or batch.spans is None \
+                or not all(self.table.ready[s] for s in batch.present):
+            return None
+        return cpu_decode_layer.AdapterRows(self.table, batch.order, torch.tensor(batch.spans, dtype=torch.int64))
 
 
 class LoRABatch:

@@ -211,17 +211,19 @@ class DecoderLM:
 
     def _decode_step(self, h: torch.Tensor, batch: AttentionBatch,
                      kv: KVPool) -> cpu_decode_layer.DecodeStep | None:
-        """This step on the one-call layers, or None where it needs the Python forward (prompt chunks, LoRA,
-        sequences being compressed, more rows than the stack's products take)."""
-        if (self.decode_stack is None or batch.prefills or batch.lora is not None or len(batch.decode_groups) != 1
+        """This step on the one-call layers, or None where it needs the Python forward (prompt chunks, adapters
+        whose products are not on its kernels, sequences being compressed, more rows than the stack's products
+        take)."""
+        if (self.decode_stack is None or batch.prefills or len(batch.decode_groups) != 1
                 or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not self.decode_stack.many_rows)
                 or kv.k.shape[1] > cpa.MAX_BLOCK):
             return None
+        adapters = batch.lora.slots.one_call(batch.lora) if batch.lora is not None else None
         group = batch.decode_groups[0]
-        if group.observers is not None:
+        if group.observers is not None or (batch.lora is not None and adapters is None):
             return None
         return self.decode_stack.start(h, batch.positions, batch.slots, group.block_tables, group.kv_lens,
-                                       kv.k, kv.v, kv.pos)
+                                       kv.k, kv.v, kv.pos, adapters)
 
     # ------------------------------------------------------------------ forward
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

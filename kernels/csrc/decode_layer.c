@@ -7,9 +7,15 @@
  * step. This file does no arithmetic of its own: it calls the same kernels (gemv.c, gemm.c, gemv_i8.c, norm.c,
  * fused.c, paged_decode.c, each its own library, reached through function pointers the Python side takes from
  * them) in the same order on the same buffers, so its results are the Python path's bit for bit.
+ *
+ * LoRA adapters ride along the same way: after each product an adapter changes, every adapter of the step adds
+ * its rows' deltas with its two packed products (kernels/lora.py) on the same entry points, as the Python
+ * forward's lora_apply_packed does, instead of the two dozen torch ops a projection costs there.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 /* How a matrix's product is computed: which entry point, and so which arguments it takes. */
 enum { GEMV_F32 = 0, GEMV_BF16 = 1, I8_F32 = 2, I8_BF16 = 3, I8_PAIRS = 4 };
@@ -44,6 +50,24 @@ typedef struct {
     void *many; /* the entry point for more than Model.gemv_rows rows (same arguments as fn), or NULL: none */
 } Matrix;
 
+/* One adapter's packed products for one projection (kernels/lora.py): shrink = x A^T [m, k*r], expand = that
+ * times B^T (scale folded in); shrink.fn NULL where the adapter leaves the projection alone. */
+typedef struct {
+    Matrix shrink, expand;
+} Adapter;
+
+enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3, PROJECTIONS = 4 };
+
+/* The step's adapters: which rows use which adapter (inference/lora/slots.py LoRABatch). */
+typedef struct {
+    const Adapter *table;  /* [slots][layers][PROJECTIONS] */
+    int64_t layers;
+    const int64_t *order;  /* the rows that use an adapter, sorted so each adapter's rows are contiguous */
+    const int64_t *spans;  /* [n_spans][3]: slot, start, end (a range of order) */
+    int64_t n_spans;
+    void *xs, *mid, *delta; /* scratch: rows x widest input, rows x widest k*r, rows x widest output */
+} Lora;
+
 /* What stays fixed for one layer from step to step. */
 typedef struct {
     Matrix qkv, o, gate_up, down;
@@ -77,12 +101,12 @@ typedef struct {
     void *h, *x, *normed, *qkv, *q, *attn, *gate_up, *act;
     float *widened; /* rows * (largest k) floats, for the products that widen bf16 x first */
     int64_t has_x;
+    const Lora *lora; /* NULL: no row uses an adapter */
 } Step;
 
 /* y = x W^T (+ bias) on the entry point the Python forward would call for this many rows (the caller only
  * starts steps of more than gemv_rows rows where every matrix has a `many`). */
-static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y) {
-    const int64_t m = S->rows;
+static void product_rows(const Model *M, const Step *S, const Matrix *W, const void *x, void *y, int64_t m) {
     void *fn = m > M->gemv_rows ? W->many : W->fn;
     switch (W->kind) {
     case GEMV_F32: ((gemv_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads); break;
@@ -95,6 +119,51 @@ static void product(const Model *M, const Step *S, const Matrix *W, const void *
     }
 }
 
+static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y) {
+    product_rows(M, S, W, x, y, S->rows);
+}
+
+static const Adapter *adapter(const Lora *A, int64_t slot, int64_t layer, int64_t projection) {
+    return &A->table[(slot * A->layers + layer) * PROJECTIONS + projection];
+}
+
+/* Whether some adapter of the step changes this projection of this layer. */
+static int adapted(const Step *S, int64_t layer, int64_t projection) {
+    const Lora *A = S->lora;
+    for (int64_t s = 0; A && s < A->n_spans; s++)
+        if (adapter(A, A->spans[3 * s], layer, projection)->shrink.fn) return 1;
+    return 0;
+}
+
+/* y [rows, out] += each adapted row's delta from x [rows, in], as lora_apply_packed computes it: the adapter's
+ * rows gathered, its two products on them, each delta added to its row once (in the activations' dtype). */
+static void add_adapters(const Model *M, const Step *S, int64_t layer, int64_t projection, const void *x,
+                         int64_t in, void *y, int64_t out) {
+    const Lora *A = S->lora;
+    const int64_t e = M->elem;
+    for (int64_t s = 0; A && s < A->n_spans; s++) {
+        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+        const int64_t *rows = A->order + A->spans[3 * s + 1];
+        const int64_t m = A->spans[3 * s + 2] - A->spans[3 * s + 1];
+        if (!ad->shrink.fn || m <= 0) continue;
+        for (int64_t i = 0; i < m; i++)
+            memcpy((char *)A->xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
+        product_rows(M, S, &ad->shrink, A->xs, A->mid, m);
+        product_rows(M, S, &ad->expand, A->mid, A->delta, m);
+        for (int64_t i = 0; i < m; i++) {
+            if (e == 4) {
+                float *dst = (float *)y + rows[i] * out;
+                const float *d = (const float *)A->delta + i * out;
+                for (int64_t c = 0; c < out; c++) dst[c] += d[c];
+            } else {
+                uint16_t *dst = (uint16_t *)y + rows[i] * out;
+                const uint16_t *d = (const uint16_t *)A->delta + i * out;
+                for (int64_t c = 0; c < out; c++) dst[c] = narrow1_bf16(widen1_bf16(dst[c]) + widen1_bf16(d[c]));
+            }
+        }
+    }
+}
+
 /* Layer `index` of the decoder (pre-norm attention and SiLU-gated MLP, as DecoderLM.forward runs it). */
 void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index) {
     const int64_t m = S->rows, e = M->elem, d = M->head_dim, hq = M->hq, hkv = M->hkv;
@@ -103,6 +172,7 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
 
     norm(S->h, S->has_x ? S->x : NULL, L->input_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     product(M, S, &L->qkv, S->normed, S->qkv);
+    add_adapters(M, S, index, QKV, S->normed, M->hidden, S->qkv, qkv_row);
     ((rope_fn)M->rope)(S->qkv, qkv_row, (char *)S->qkv + (hq + hkv) * d * e, qkv_row, L->cos, L->sin, S->positions,
                        S->slots + index * hkv * m, S->k_cache, S->v_cache, S->pos_cache, m, hq, hkv, d, M->threads);
     for (int64_t r = 0; r < m; r++) /* the queries of each row, contiguous as the attention kernel reads them */
@@ -111,9 +181,11 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
                                  S->lens + index * m * hkv, S->positions, S->attn, m, hq, hkv, d, S->block_size,
                                  S->width, M->scale, L->window, M->softcap, M->threads);
     product(M, S, &L->o, S->attn, S->x);
+    add_adapters(M, S, index, O, S->attn, q_row, S->x, M->hidden);
     norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     const Matrix *gu = &L->gate_up;
-    if (m > M->gemv_rows && L->gate_up_silu) { /* the products and SiLU * up in one pass, as the forward does */
+    if (m > M->gemv_rows && L->gate_up_silu && !adapted(S, index, GATE_UP)) {
+        /* the products and SiLU * up in one pass, as the forward does */
         if (gu->kind == GEMV_F32)
             ((gemv_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k, M->threads);
         else
@@ -121,8 +193,10 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
                                                 M->threads, S->widened);
     } else {
         product(M, S, gu, S->normed, S->gate_up);
+        add_adapters(M, S, index, GATE_UP, S->normed, M->hidden, S->gate_up, 2 * M->inter);
         ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
     }
     product(M, S, &L->down, S->act, S->x);
+    add_adapters(M, S, index, DOWN, S->act, M->inter, S->x, M->hidden);
     S->has_x = 1;
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from inference import EngineConfig, SamplingParams
 from inference.llm import LLM
@@ -111,3 +112,52 @@ def test_gate_up_with_silu_in_one_product_gives_the_separate_ops_results(
     assert not separate.engine.runner.model.gate_up_silu
     assert not any(spec.gate_up_silu for spec in separate.engine.runner.model.decode_stack.specs)
     assert fused == _outputs(separate, PROMPTS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_with_adapters_run_here_with_the_python_forward_results(isa: str, tiny_models: dict[str, Path],
+                                                                       dtype: str, tmp_path: Path) -> None:
+    """Decode steps whose rows use LoRA adapters (mixed with each other and the base model) take the one-call
+    layers where every adapter's products are these kernels in the model's dtype (fp32; bf16 where the CPU
+    multiplies it natively): the Python forward's tokens and logprobs bit for bit."""
+    from inference import LoRARequest
+    from inference.config import default_dtype
+    from tests.lora_support import make_peft_adapter
+
+    base = tiny_models["llama"]
+    shapes = [(4, ("q_proj", "v_proj")), (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj")), (2, ("o_proj", "down_proj"))]
+    adapters = [LoRARequest(f"a{i}", make_peft_adapter(base, tmp_path / f"a{i}", rank=rank, alpha=2 * rank,
+                                                        targets=targets, seed=11 + i))
+                for i, (rank, targets) in enumerate(shapes)]
+    llm = LLM(base, EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
+                                 enable_prefix_caching=False, max_loras=4))
+    model = llm.engine.runner.model
+    prompts = [*PROMPTS, "A fourth prompt on the base model alone"]
+    choice = [*adapters, None]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    def outputs(count: int) -> list[tuple[list[int], list[float]]]:
+        ids = [llm.encode(p, raw=True) for p in prompts[:count]]
+        return [(o.token_ids, [lp.logprob for lp in o.all_logprobs])
+                for o in llm.generate_ids(ids, params, choice[:count])]
+
+    calls: list[tuple[int, bool]] = []
+    run_layer = model.decode_stack.layer
+    model.decode_stack.layer = lambda step, index: (calls.append((step.struct.rows, bool(step.struct.lora))),
+                                                    run_layer(step, index))[1]
+    here = [outputs(1), outputs(2), outputs(4)]
+    native = dtype == "float32" or (default_dtype("cpu") == torch.bfloat16 and model.layers[0].qkv.gemm)
+    with_adapters = [rows for rows, lora in calls if lora]
+    if native:
+        assert with_adapters.count(1) >= 15 * model.num_layers and with_adapters.count(2) >= 15 * model.num_layers
+        assert with_adapters.count(4) >= 15 * model.num_layers
+    else:
+        assert not with_adapters, "adapters whose products are not these kernels keep the Python forward"
+
+    model.decode_stack = None
+    python = [outputs(1), outputs(2), outputs(4)]
+    assert here == python
+    choice = [None] * len(prompts)
+    plain = outputs(4)
+    assert all(plain[i] != here[2][i] for i in range(3)) and plain[3] == here[2][3]  # the adapters change their rows
