@@ -66,6 +66,7 @@ typedef struct {
     const int64_t *spans;  /* [n_spans][3]: slot, start, end (a range of order) */
     int64_t n_spans;
     void *xs, *mid, *delta; /* scratch: rows x widest input, rows x widest k*r, rows x widest output */
+    int64_t widened_row;    /* floats a row of Step.widened holds */
 } Lora;
 
 /* What stays fixed for one layer from step to step. */
@@ -106,21 +107,20 @@ typedef struct {
 
 /* y = x W^T (+ bias) on the entry point the Python forward would call for this many rows (the caller only
  * starts steps of more than gemv_rows rows where every matrix has a `many`). */
-static void product_rows(const Model *M, const Step *S, const Matrix *W, const void *x, void *y, int64_t m) {
+static void product_rows(const Model *M, const Matrix *W, const void *x, void *y, int64_t m, int64_t threads,
+                         float *widened) {
     void *fn = m > M->gemv_rows ? W->many : W->fn;
     switch (W->kind) {
-    case GEMV_F32: ((gemv_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads); break;
-    case GEMV_BF16: ((gemv_widened_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, M->threads, S->widened); break;
+    case GEMV_F32: ((gemv_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, threads); break;
+    case GEMV_BF16: ((gemv_widened_fn)fn)(x, W->packed, W->bias, y, m, W->n, W->k, threads, widened); break;
     case I8_F32:
-    case I8_PAIRS: ((i8_fn)fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads); break;
-    case I8_BF16:
-        ((i8_widened_fn)fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, M->threads, S->widened);
-        break;
+    case I8_PAIRS: ((i8_fn)fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, threads); break;
+    case I8_BF16: ((i8_widened_fn)fn)(x, W->packed, W->scale, W->bias, y, m, W->n, W->k, threads, widened); break;
     }
 }
 
 static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y) {
-    product_rows(M, S, W, x, y, S->rows);
+    product_rows(M, W, x, y, S->rows, M->threads, S->widened);
 }
 
 static const Adapter *adapter(const Lora *A, int64_t slot, int64_t layer, int64_t projection) {
@@ -135,32 +135,57 @@ static int adapted(const Step *S, int64_t layer, int64_t projection) {
     return 0;
 }
 
+/* One span's part of add_adapters: rows order[start, start + m) of one adapter, its scratch rows at `start`. */
+static void add_span(const Model *M, const Step *S, const Adapter *ad, int64_t start, int64_t m, const void *x,
+                     int64_t in, void *y, int64_t out, int64_t threads) {
+    const Lora *A = S->lora;
+    const int64_t e = M->elem, rank = ad->shrink.n, *rows = A->order + start;
+    char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * rank * e;
+    char *delta = (char *)A->delta + start * out * e;
+    float *widened = S->widened + start * A->widened_row;
+    for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
+    product_rows(M, &ad->shrink, xs, mid, m, threads, widened);
+    product_rows(M, &ad->expand, mid, delta, m, threads, widened);
+    for (int64_t i = 0; i < m; i++) {
+        if (e == 4) {
+            float *dst = (float *)y + rows[i] * out;
+            const float *d = (const float *)delta + i * out;
+            for (int64_t c = 0; c < out; c++) dst[c] += d[c];
+        } else {
+            uint16_t *dst = (uint16_t *)y + rows[i] * out;
+            const uint16_t *d = (const uint16_t *)delta + i * out;
+            int64_t c = 0;
+            for (; c + 8 <= out; c += 8) /* eight lanes: one at a time cost as much as the products at decode */
+                _mm_storeu_si128((__m128i *)(dst + c),
+                                 narrow8_bf16(_mm256_add_ps(widen8_bf16(dst + c), widen8_bf16(d + c))));
+            for (; c < out; c++) dst[c] = narrow1_bf16(widen1_bf16(dst[c]) + widen1_bf16(d[c]));
+        }
+    }
+}
+
 /* y [rows, out] += each adapted row's delta from x [rows, in], as lora_apply_packed computes it: the adapter's
- * rows gathered, its two products on them, each delta added to its row once (in the activations' dtype). */
+ * rows gathered, its two products on them, each delta added to its row once (in the activations' dtype). With
+ * at least as many adapters as threads, each thread takes whole adapters, their products on one thread: a step's
+ * few rows per adapter make products of a few microseconds, which a parallel region per product would double.
+ * Each output is computed by the same code on the same rows either way, so the results do not change. */
 static void add_adapters(const Model *M, const Step *S, int64_t layer, int64_t projection, const void *x,
                          int64_t in, void *y, int64_t out) {
     const Lora *A = S->lora;
-    const int64_t e = M->elem;
-    for (int64_t s = 0; A && s < A->n_spans; s++) {
-        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
-        const int64_t *rows = A->order + A->spans[3 * s + 1];
-        const int64_t m = A->spans[3 * s + 2] - A->spans[3 * s + 1];
-        if (!ad->shrink.fn || m <= 0) continue;
-        for (int64_t i = 0; i < m; i++)
-            memcpy((char *)A->xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
-        product_rows(M, S, &ad->shrink, A->xs, A->mid, m);
-        product_rows(M, S, &ad->expand, A->mid, A->delta, m);
-        for (int64_t i = 0; i < m; i++) {
-            if (e == 4) {
-                float *dst = (float *)y + rows[i] * out;
-                const float *d = (const float *)A->delta + i * out;
-                for (int64_t c = 0; c < out; c++) dst[c] += d[c];
-            } else {
-                uint16_t *dst = (uint16_t *)y + rows[i] * out;
-                const uint16_t *d = (const uint16_t *)A->delta + i * out;
-                for (int64_t c = 0; c < out; c++) dst[c] = narrow1_bf16(widen1_bf16(dst[c]) + widen1_bf16(d[c]));
-            }
+    if (!A || !adapted(S, layer, projection)) return;
+    const int64_t n = A->n_spans, threads = M->threads > 0 ? M->threads : 1;
+    if (n >= threads && threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t s = 0; s < n; s++) {
+            const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+            const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
+            if (ad->shrink.fn && m > 0) add_span(M, S, ad, start, m, x, in, y, out, 1);
         }
+        return;
+    }
+    for (int64_t s = 0; s < n; s++) {
+        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+        const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
+        if (ad->shrink.fn && m > 0) add_span(M, S, ad, start, m, x, in, y, out, threads);
     }
 }
 
