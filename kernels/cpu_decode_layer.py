@@ -56,7 +56,7 @@ class Adapter(ctypes.Structure):
 
 class _Lora(ctypes.Structure):
     _fields_ = [("table", _c), ("layers", ctypes.c_int64), ("order", _c), ("spans", _c), ("n_spans", ctypes.c_int64),
-                ("xs", _c), ("mid", _c), ("delta", _c), ("widened_row", ctypes.c_int64)]
+                ("xs", _c), ("mid", _c), ("delta", _c), ("mid_row", ctypes.c_int64), ("widened_row", ctypes.c_int64)]
 
 
 class _Step(ctypes.Structure):
@@ -268,7 +268,7 @@ class DecodeStack:
             base = lora_scratch.data_ptr()
             lora = _Lora(ctypes.addressof(adapters.table.entries), adapters.table.layers, order.data_ptr(),
                          spans.data_ptr(), spans.shape[0], base, base + used * widest_in * m.elem,
-                         base + used * (widest_in + adapters.table.widest) * m.elem, widest)
+                         base + used * (widest_in + adapters.table.widest) * m.elem, adapters.table.widest, widest)
             struct.lora = ctypes.addressof(lora)
             held += (order, spans, lora_scratch, lora, adapters.table)
         return DecodeStep(struct, h, x, held)

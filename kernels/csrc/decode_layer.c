@@ -65,7 +65,8 @@ typedef struct {
     const int64_t *order;  /* the rows that use an adapter, sorted so each adapter's rows are contiguous */
     const int64_t *spans;  /* [n_spans][3]: slot, start, end (a range of order) */
     int64_t n_spans;
-    void *xs, *mid, *delta; /* scratch: rows x widest input, rows x widest k*r, rows x widest output */
+    void *xs, *mid, *delta; /* scratch: rows x widest input, rows x mid_row, rows x widest output */
+    int64_t mid_row;        /* elements a row of mid holds: the widest rank vector (k*r) of any adapter */
     int64_t widened_row;    /* floats a row of Step.widened holds */
 } Lora;
 
@@ -135,12 +136,13 @@ static int adapted(const Step *S, int64_t layer, int64_t projection) {
     return 0;
 }
 
-/* One span's part of add_adapters: rows order[start, start + m) of one adapter, its scratch rows at `start`. */
+/* One span's part of add_adapters: rows order[start, start + m) of one adapter, its scratch rows at `start`
+ * (each scratch buffer's rows have one width for every adapter, so spans run at once never share a byte). */
 static void add_span(const Model *M, const Step *S, const Adapter *ad, int64_t start, int64_t m, const void *x,
                      int64_t in, void *y, int64_t out, int64_t threads) {
     const Lora *A = S->lora;
-    const int64_t e = M->elem, rank = ad->shrink.n, *rows = A->order + start;
-    char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * rank * e;
+    const int64_t e = M->elem, *rows = A->order + start;
+    char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * A->mid_row * e;
     char *delta = (char *)A->delta + start * out * e;
     float *widened = S->widened + start * A->widened_row;
     for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
