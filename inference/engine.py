@@ -27,7 +27,7 @@ from inference.lora.slots import LoRARequest, LoRASlots
 from inference.model_runner import ModelRunner, StepResult
 from inference.models.loader import LoadedModel, load_model
 from inference.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
-from inference.sampler import Sampler, SamplingRow, make_generator
+from inference.sampler import GREEDY_EPS, SampledToken, Sampler, SamplingRow, make_generator
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledChunk, Scheduler
 from inference.sequence import GenerationRequest, Sequence, SequenceStatus
@@ -256,7 +256,7 @@ class LLMEngine:
             for chunk in chunks:
                 if chunk.num_draft == 0:
                     self._computed(chunk.seq, chunk.num_tokens)
-            self._sample_and_append(result.sampled_chunks, result.logits, outputs)
+            self._sample_and_append(result, outputs)
         self._compress(plan.chunks)
         return outputs
 
@@ -278,8 +278,27 @@ class LLMEngine:
         if self.blocks.enable_prefix_caching and blocks.num_cached // self.config.block_size > len(blocks.hashes):
             self.blocks.commit_full_blocks(blocks, seq.token_ids(), seq.request.extra_keys)
 
-    def _sample_and_append(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
-                           outputs: list[RequestOutput]) -> None:
+    @staticmethod
+    def _greedy_only(chunks: list[ScheduledChunk]) -> bool:
+        """Whether every token this step samples is the argmax of its row's raw logits and nothing else reads
+        them (no logprobs, penalties, grammar, forced token or drafts to verify): then the step asks the model
+        for those argmax tokens alone (ModelRunner.execute's greedy), which the LM head computes without storing
+        the [rows, vocab] logits."""
+        for chunk in chunks:
+            if not chunk.completes:
+                continue
+            seq, params = chunk.seq, chunk.seq.params
+            if (chunk.num_draft or seq.grammar is not None or seq.next_forced is not None
+                    or params.logprobs is not None or params.needs_penalties or params.temperature >= GREEDY_EPS):
+                return False
+        return True
+
+    def _sample_and_append(self, result: StepResult, outputs: list[RequestOutput]) -> None:
+        chunks, logits = result.sampled_chunks, result.logits
+        if result.tokens is not None:
+            for chunk, token in zip(chunks, result.tokens.tolist(), strict=True):
+                outputs.append(self._append_tokens(chunk.seq, [SampledToken(token_id=token, logprob=None, top=None)]))
+            return
         self.constrained.mask(chunks, logits)  # constrained rows only: free ones are untouched
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
@@ -334,7 +353,7 @@ class LLMEngine:
         for chunks, result in self._run_isolated(plan.chunks, outputs):
             for chunk in chunks:
                 self._computed(chunk.seq, chunk.num_tokens)
-            self._sample_and_append(result.sampled_chunks, result.logits, outputs)
+            self._sample_and_append(result, outputs)
         self._compress(plan.chunks)
         front.deliver(outputs)
 
@@ -343,13 +362,14 @@ class LLMEngine:
                       ) -> list[tuple[list[ScheduledChunk], StepResult]]:
         """Run the batch; if it fails, run each sequence alone so one bad request fails alone."""
         try:
-            return [(chunks, self.runner.execute(chunks, between_layers=between_layers))]
+            return [(chunks, self.runner.execute(chunks, between_layers=between_layers,
+                                                 greedy=self._greedy_only(chunks)))]
         except Exception:
             log.exception("a batched step failed; retrying its sequences one by one")
         results = []
         for chunk in chunks:
             try:
-                results.append(([chunk], self.runner.execute([chunk])))
+                results.append(([chunk], self.runner.execute([chunk], greedy=self._greedy_only([chunk]))))
             except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
                 log.exception("request %s failed", chunk.seq.request_id)
                 self._finish(chunk.seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")

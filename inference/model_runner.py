@@ -20,6 +20,7 @@ from inference.scheduler import ScheduledChunk
 class StepResult:
     logits: torch.Tensor  # [N, vocab] fp32: per completing chunk, one row (plus one per draft token)
     sampled_chunks: list[ScheduledChunk]
+    tokens: torch.Tensor | None = None  # a greedy step's int64 [N] argmax of those rows, in place of logits
 
 
 def _slots(table: np.ndarray, lens: np.ndarray, count: int, block_size: int) -> np.ndarray:
@@ -141,9 +142,10 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk],
                 head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                between_layers: Callable[[], None] | None = None) -> StepResult:
+                between_layers: Callable[[], None] | None = None, greedy: bool = False) -> StepResult:
         """head: maps final hidden rows to the returned rows (default: the model's full-vocabulary logits).
-        between_layers: see DecoderLM.forward."""
+        between_layers: see DecoderLM.forward. greedy: the result holds each sampled row's argmax token instead
+        of its logits (DecoderLM.greedy_tokens), for steps whose rows read nothing else from them."""
         input_ids, batch = self.build(chunks)
         rows, sampled = self._sampled_rows(chunks)
         keep = None if len(rows) == input_ids.shape[0] else torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -154,6 +156,8 @@ class ModelRunner:
             chunk.seq.blocks.lens += chunk.num_tokens
         if not rows:
             return StepResult(torch.empty(0, self.model.vocab_size), sampled)
+        if greedy:
+            return StepResult(torch.empty(0, self.model.vocab_size), sampled, self.model.greedy_tokens(hidden))
         return StepResult((head or self.model.logits)(hidden), sampled)
 
     def execute_all_logits(self, chunk: ScheduledChunk) -> torch.Tensor:

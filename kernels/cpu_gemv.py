@@ -11,7 +11,8 @@ Products of more rows are compute-bound. `gemm` runs them on the same packed wei
 rows (AVX2) or 12 (AVX-512) (`csrc/gemm.c`), in fp32, and in bf16 on builds with AVX-512 BF16 dot products; it
 is level with or ahead of oneDNN's packed products in both (docs/benchmarks.md); on a CPU with AMX tiles its bf16
 products run on them (`csrc/gemm_amx.h`, for k a multiple of 32). bf16 without those dot products goes to oneDNN. `gemm_silu` computes an MLP's silu(gate) * up straight from its fused gate/up weight,
-and `gemm_fp32` stores bf16 products widened (logits): each the separate steps' results, in one pass.
+`gemm_fp32` stores bf16 products widened (logits), and `gemm_argmax` keeps only each row's argmax of them (a
+greedy step's tokens): each the separate steps' results, in one pass.
 
 Built by kernels/cpu_build. Without a C compiler, AVX2 and FMA, or with HEARTH_CPU_GEMV=off (or
 HEARTH_CPU_KERNELS=off), `available()` is False and callers keep the oneDNN path; HEARTH_CPU_GEMM=off turns off
@@ -58,6 +59,9 @@ def _gemm_library() -> ctypes.CDLL | None:
         lib.hearth_gemm_silu_bf16.argtypes = lib.hearth_gemm_bf16.argtypes
         lib.hearth_gemm_f32.restype = lib.hearth_gemm_bf16.restype = None
         lib.hearth_gemm_silu_f32.restype = lib.hearth_gemm_silu_bf16.restype = None
+        lib.hearth_gemm_argmax_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        lib.hearth_gemm_argmax_bf16.argtypes = lib.hearth_gemm_argmax_f32.argtypes
+        lib.hearth_gemm_argmax_f32.restype = lib.hearth_gemm_argmax_bf16.restype = ctypes.c_int64
         for fn in (lib.hearth_gemm_chunk_rows, lib.hearth_gemm_tile_rows, lib.hearth_gemm_bf16_pairs,
                    lib.hearth_gemm_block_width, lib.hearth_gemm_amx):
             fn.argtypes, fn.restype = [], ctypes.c_int64
@@ -184,6 +188,23 @@ def gemm_fp32(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = N
     b = bias.contiguous().data_ptr() if bias is not None else None
     lib.hearth_gemm_bf16_wide(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, weight.out_features, k,
                               torch.get_num_threads(), None)
+    return y
+
+
+def gemm_argmax(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [m]: each row's `torch.argmax(gemm_fp32(x, weight, bias), dim=-1)` (the first index of the maximum;
+    a row with a NaN, its first NaN), without storing the [m, n] products: a greedy step's tokens from the LM
+    head. For a weight `gemm_kernel` has an entry point for."""
+    lib = _gemm_library()
+    assert lib is not None and gemm_kernel(weight) is not None
+    m, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(m, dtype=torch.int64)
+    b = bias.contiguous().data_ptr() if bias is not None else None
+    fn = lib.hearth_gemm_argmax_f32 if weight.dtype == torch.float32 else lib.hearth_gemm_argmax_bf16
+    if fn(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, weight.out_features, k,
+          torch.get_num_threads()):
+        raise MemoryError("gemm_argmax: no memory for the rows' running maxima")
     return y
 
 

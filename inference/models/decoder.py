@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from inference.batch import AttentionBatch, DecodeGroup
 from inference.kv_cache import KVPool
 from inference.models import layers
-from kernels import cpu_decode_layer, cpu_fused, cpu_gemv, cpu_norm
+from kernels import cpu_argmax, cpu_decode_layer, cpu_fused, cpu_gemv, cpu_norm
 from kernels import cpu_paged_attention as cpa
 from kernels import kv_compress as kc
 from kernels import paged_attention as pa
@@ -302,6 +302,14 @@ class DecoderLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
         return self.finish_logits(self.lm_head.fp32(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> int64 [N]: argmax(self.logits(hidden), dim=-1), the tokens of rows that sample
+        greedily with nothing else to read from their logits; on the GEMM without storing them where the head
+        takes it. A soft-capped head goes through its logits: the cap can round distinct outputs to one value."""
+        if self.final_softcap:
+            return cpu_argmax.argmax(self.logits(hidden))
+        return self.lm_head.argmax(hidden)
 
     def finish_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Raw head outputs (any subset of the vocabulary) -> fp32 logits, soft-capped where the model caps."""

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from inference import memory
-from kernels import cpu_gemv, cpu_int8
+from kernels import cpu_argmax, cpu_gemv, cpu_int8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool) -> torch.Tensor:
@@ -96,6 +96,13 @@ class Linear:
             return cpu_gemv.gemm_fp32(x, self.gemv_weight, self.bias)
         return self(x).float()
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """argmax(self.fp32(x), dim=-1) as int64 [rows]: on the GEMM, without storing the products (a greedy
+        step's tokens from the LM head: cpu_gemv.gemm_argmax)."""
+        if self.gemm and self.gemv_weight is not None and x.dim() == 2 and x.shape[0] > cpu_gemv.MAX_ROWS:
+            return cpu_gemv.gemm_argmax(x, self.gemv_weight, self.bias)
+        return cpu_argmax.argmax(self.fp32(x))
+
 
 class Int8Linear:
     """y = x (scale * Q)^T + b with weight-only int8 Q, one fp32 scale per output row (kernels/cpu_int8).
@@ -120,6 +127,9 @@ class Int8Linear:
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         return self(x).float()
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_argmax.argmax(self.fp32(x))
 
 
 LinearLayer = Linear | Int8Linear

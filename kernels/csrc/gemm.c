@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "best.h"
 #include "deal.h"
 #include "simd.h"
 
@@ -336,6 +337,34 @@ static inline __attribute__((always_inline)) void product(int kind, const void *
     }
 }
 
+/* product's items with each output folded into its row's argmax (best.h) instead of stored: y is [m] indices.
+ * kind F32 or BF16_WIDE, whose stored values the argmax is of. A chunk's outputs of one block go to a scratch
+ * tile in L1, [rows][BW] fp32, and are scanned from there. Returns 0, or -1 out of memory. */
+static inline __attribute__((always_inline)) int product_argmax(int kind, const void *x, const void *packed,
+                                                                 const void *b, int64_t *y, int64_t m, int64_t n,
+                                                                 int64_t k, int64_t threads) {
+    const int64_t blocks = (n + BW - 1) / BW, chunk = CHUNK_ROWS, size = kind == F32 ? 4 : 2;
+    DEAL_COUNTS(counts, threads);
+    best *all = bests_open(counts_team, m);
+    if (!all) return -1;
+#pragma omp parallel num_threads(counts_team)
+    {
+        deal d = deal_start(blocks, m, chunk, omp_get_num_threads(), omp_get_thread_num(), counts);
+        best *mine = all + omp_get_thread_num() * m;
+        float scratch[CHUNK_ROWS][BW];
+        int64_t r0, rows, after, blk;
+        while ((blk = deal_next(&d, &r0, &rows, &after)) >= 0) {
+            const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
+            block_rows(kind, (const char *)x + r0 * k * size, rows, k, (const char *)packed + blk * k * BW * size,
+                       b ? (const char *)b + c0 * size : NULL, scratch, BW, width,
+                       after >= 0 ? (const char *)packed + after * k * BW * size : NULL);
+            for (int64_t i = 0; i < rows; i++) best_scan(&mine[r0 + i], scratch[i], width, c0);
+        }
+    }
+    bests_close(all, counts_team, m, y);
+    return 0;
+}
+
 #ifdef __AMX_BF16__
 #include "gemm_amx.h"
 #else
@@ -356,7 +385,7 @@ void hearth_gemm_bf16_wide(const uint16_t *x, const uint16_t *packed, const uint
     (void)xf;
 #ifdef __AMX_BF16__
     if (amx_takes(k)) {
-        amx_product(BF16_WIDE, x, packed, b, y, m, n, k, threads, 0);
+        amx_product(BF16_WIDE, x, packed, b, y, m, n, k, threads, 0, NULL);
         return;
     }
 #endif
@@ -364,6 +393,28 @@ void hearth_gemm_bf16_wide(const uint16_t *x, const uint16_t *packed, const uint
     product(BF16_WIDE, x, packed, b, y, m, n, k, threads);
 #else
     (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
+#endif
+}
+
+/* Each row's argmax of hearth_gemm_f32's y (the first index of the maximum; a row with a NaN: its first NaN) into
+ * y [m] int64, without storing the products: a greedy step's tokens from the LM head. 0, or -1 out of memory. */
+int64_t hearth_gemm_argmax_f32(const float *x, const float *packed, const float *b, int64_t *y, int64_t m, int64_t n,
+                               int64_t k, int64_t threads) {
+    return product_argmax(F32, x, packed, b, y, m, n, k, threads);
+}
+
+/* The same of hearth_gemm_bf16_wide's y (each output rounded to bf16), where hearth_gemm_bf16_pairs() is 1;
+ * elsewhere -1. */
+int64_t hearth_gemm_argmax_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b, int64_t *y, int64_t m,
+                                int64_t n, int64_t k, int64_t threads) {
+#ifdef __AMX_BF16__
+    if (amx_takes(k)) return amx_product_argmax(x, packed, b, y, m, n, k, threads);
+#endif
+#ifdef __AVX512BF16__
+    return product_argmax(BF16_WIDE, x, packed, b, y, m, n, k, threads);
+#else
+    (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
+    return -1;
 #endif
 }
 
@@ -379,7 +430,7 @@ void hearth_gemm_silu_bf16(const uint16_t *x, const uint16_t *packed, const uint
     (void)xf;
 #ifdef __AMX_BF16__
     if (amx_takes(k)) {
-        amx_product(BF16_PAIRS, x, packed, b, y, m, inter, k, threads, 1);
+        amx_product(BF16_PAIRS, x, packed, b, y, m, inter, k, threads, 1, NULL);
         return;
     }
 #endif
@@ -421,7 +472,7 @@ void hearth_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
     (void)xf;
 #ifdef __AMX_BF16__
     if (amx_takes(k)) {
-        amx_product(BF16_PAIRS, x, packed, b, y, m, n, k, threads, 0);
+        amx_product(BF16_PAIRS, x, packed, b, y, m, n, k, threads, 0, NULL);
         return;
     }
 #endif

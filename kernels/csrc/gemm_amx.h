@@ -81,8 +81,9 @@ static inline const uint16_t *amx_row(const uint16_t *x, const uint16_t *tail, i
     return tail && r >= tail_from ? tail + (r - tail_from) * k : x + r * k;
 }
 
-/* Rows [r0, r0 + rows) of x times one block (outputs c0 on, width of them exist): gemm.c's block_rows on tiles.
- * gate_up: the up block of the same outputs is `up`, and y gets silu(gate) * up (tile_silu's epilogue). */
+/* Rows [r0, r0 + rows) of x times one block (width of its outputs exist) into y (row r0 first, rows n outputs
+ * apart): gemm.c's block_rows on tiles. gate_up: the up block of the same outputs is `up`, and y gets
+ * silu(gate) * up (tile_silu's epilogue). */
 static inline __attribute__((always_inline)) void amx_block_rows(int kind, const uint16_t *x, const uint16_t *tail,
                                                                   int64_t tail_from, int64_t r0, int64_t rows,
                                                                   int64_t k, const uint16_t *block,
@@ -105,7 +106,7 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
                 g == 0 ? amx_sums(1, 1, x0, x0, k, up, ups) : amx_sums(1, 0, x0, x0, k, up, ups);
         }
         for (int64_t i = 0; i < here; i++) {
-            char *row = (char *)y + (r + i) * n * out;
+            char *row = (char *)y + (g + i) * n * out;
             if (up) {
                 const vec u[NB] = {vload_f32(ups[i]), vload_f32(ups[i] + VL)};
                 store_silu_row(kind, sums[i], u, b, b_up, row);
@@ -117,35 +118,56 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
     }
 }
 
-/* gemm.c's product (inter > 0: product_silu, n = inter outputs of silu(gate) * up from 2 * inter packed) on
- * tiles, for kind BF16_PAIRS or BF16_WIDE and k % AMX_K == 0: the same items of blocks and chunks of rows, dealt
- * between threads the same way (deal.h). */
-static void amx_product(int kind, const uint16_t *x, const uint16_t *packed, const uint16_t *b, void *y, int64_t m,
-                        int64_t n, int64_t k, int64_t threads, int silu) {
+/* gemm.c's product (silu: product_silu, n = inter outputs of silu(gate) * up from 2 * inter packed; tokens:
+ * product_argmax, y unused) on tiles, for kind BF16_PAIRS or BF16_WIDE and k % AMX_K == 0: the same items of
+ * blocks and chunks of rows, dealt between threads the same way (deal.h). 0, or -1 out of memory. */
+static int amx_product(int kind, const uint16_t *x, const uint16_t *packed, const uint16_t *b, void *y, int64_t m,
+                       int64_t n, int64_t k, int64_t threads, int silu, int64_t *tokens) {
     const int64_t blocks = (n + BW - 1) / BW, bytes = k * BW, out = kind == BF16_PAIRS ? 2 : 4;
     /* a last group of fewer than 16 rows reads them from a copy padded with zero rows */
     const int64_t tail_from = m - m % AMX_ROWS;
     uint16_t *tail = NULL;
     if (m % AMX_ROWS) {
         tail = calloc((size_t)(AMX_ROWS * k), sizeof *tail);
-        if (!tail) return;
+        if (!tail) return -1;
         memcpy(tail, x + tail_from * k, (size_t)((m - tail_from) * k) * sizeof *tail);
         TILE_LOADS_SEE_STORES();
     }
     DEAL_COUNTS(counts, threads);
+    best *all = tokens ? bests_open(counts_team, m) : NULL;
+    if (tokens && !all) {
+        free(tail);
+        return -1;
+    }
 #pragma omp parallel num_threads(counts_team)
     {
         deal d = deal_start(blocks, m, CHUNK_ROWS, omp_get_num_threads(), omp_get_thread_num(), counts);
+        best *mine = all ? all + omp_get_thread_num() * m : NULL;
+        float scratch[CHUNK_ROWS][BW]; /* tokens: a chunk's outputs of one block, scanned from L1 */
         int64_t r0, rows, after, blk;
         amx_configure();
         while ((blk = deal_next(&d, &r0, &rows, &after)) >= 0) {
             const int64_t c0 = blk * BW, width = n - c0 < BW ? n - c0 : BW;
             const uint16_t *bias = b ? b + c0 : NULL, *bias_up = b && silu ? b + n + c0 : NULL;
-            amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes,
-                           silu ? packed + (blk + blocks) * bytes : NULL, bias, bias_up, (char *)y + c0 * out, n,
-                           width);
+            const uint16_t *up = silu ? packed + (blk + blocks) * bytes : NULL;
+            if (!mine) {
+                amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes, up, bias, bias_up,
+                               (char *)y + (r0 * n + c0) * out, n, width);
+                continue;
+            }
+            amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes, up, bias, bias_up, scratch,
+                           BW, width);
+            for (int64_t i = 0; i < rows; i++) best_scan(&mine[r0 + i], scratch[i], width, c0);
         }
         _tile_release();
     }
+    if (all) bests_close(all, counts_team, m, tokens);
     free(tail);
+    return 0;
+}
+
+/* gemm.c's product_argmax on tiles: y [m] the argmax of each row of hearth_gemm_bf16_wide's outputs. */
+static int amx_product_argmax(const uint16_t *x, const uint16_t *packed, const uint16_t *b, int64_t *y, int64_t m,
+                              int64_t n, int64_t k, int64_t threads) {
+    return amx_product(BF16_WIDE, x, packed, b, NULL, m, n, k, threads, 0, y);
 }

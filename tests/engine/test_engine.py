@@ -93,6 +93,35 @@ def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products(tiny_mo
         assert [lp.logprob for lp in out.all_logprobs] == pytest.approx(scored.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_take_their_tokens_from_the_head_without_logits(tiny_model, dtype: str) -> None:
+    """Steps whose every sampled row is plain greedy ask the model for argmax tokens (the head keeps each row's
+    maximum instead of storing logits); a step with any row that reads its logits (logprobs, sampling) computes
+    them. Both give the same greedy tokens."""
+    llm = _llm(tiny_model, dtype=dtype, enable_prefix_caching=False)
+    model = llm.engine.model
+    calls = {"logits": 0, "greedy": 0}
+
+    def counting(fn, name: str):
+        def run(hidden):
+            calls[name] += 1
+            return fn(hidden)
+        return run
+
+    model.logits = counting(model.logits, "logits")
+    model.greedy_tokens = counting(model.greedy_tokens, "greedy")
+    prompts = [llm.encode(p, raw=True) for p in PROMPTS]
+    plain = [o.token_ids for o in llm.generate_ids(prompts, GREEDY)]
+    assert calls == {"logits": 0, "greedy": GREEDY.max_tokens}  # 24 steps: prompts together, then decodes
+    scored = llm.generate_ids(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1))
+    assert calls["greedy"] == GREEDY.max_tokens and calls["logits"] == GREEDY.max_tokens
+    assert [o.token_ids for o in scored] == plain
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=1, ignore_eos=True)
+    mixed = llm.generate_ids(prompts, [GREEDY, sampled, GREEDY, sampled, GREEDY])
+    assert [mixed[i].token_ids for i in (0, 2, 4)] == [plain[i] for i in (0, 2, 4)]
+    assert calls["greedy"] == GREEDY.max_tokens and calls["logits"] == 2 * GREEDY.max_tokens
+
+
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_llama, reference) -> None:
     llm = _llm(tiny_llama, kv_cache_memory="1MiB", enable_prefix_caching=False)
     layout = llm.engine.pool.layout

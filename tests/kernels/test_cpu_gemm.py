@@ -154,6 +154,51 @@ def test_fp32_outputs_are_the_bf16_products_widened(rows: int) -> None:
                 assert torch.equal(cpu_gemv.gemm_fp32(x, layer.gemv_weight, bias), want)
 
 
+@pytest.mark.parametrize("team", [1, 2, 7])
+def test_argmax_of_the_products_is_torchs_argmax_of_the_logits(team: int) -> None:
+    """A greedy step's tokens straight from the head (`gemm_argmax`, `Linear.argmax`): torch.argmax of the
+    logits `Linear.fp32` gives, on every build, dtype and team (7 threads on fewer cores: some are preempted and
+    the others take their blocks from the back, out of order). Small integer inputs make many exact ties, which
+    must go to the first index wherever the tied blocks land; a NaN output wins, the first NaN of a row first."""
+    gen = torch.Generator().manual_seed(team)
+    lib = cpu_gemv._gemm_library()
+    assert lib is not None
+    chunk, block = int(lib.hearth_gemm_chunk_rows()), int(lib.hearth_gemm_block_width())
+    before = torch.get_num_threads()
+    torch.set_num_threads(team)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for m, n, k, ties in ((3, 1000, 64, True), (chunk + 7, 23 * block + 3, 96, True),
+                                  (32, 5 * block, 896, False), (40, 77, 66, False), (17, 3000, 32, True)):
+                if ties:  # sums of a few small integers: exact in both dtypes, tied in most rows
+                    x = torch.randint(-2, 3, (m, k), generator=gen).to(dtype)
+                    w = torch.randint(-1, 2, (n, k), generator=gen).to(dtype)
+                else:
+                    x = torch.randn(m, k, generator=gen).to(dtype)
+                    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+                bias = torch.randn(n, generator=gen).to(dtype) if not ties else None
+                layer = Linear(w, bias)
+                want = layer.fp32(x).argmax(dim=-1)
+                got = layer.argmax(x)
+                assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, m, n, k)
+                if layer.gemm:
+                    assert torch.equal(cpu_gemv.gemm_argmax(x, layer.gemv_weight, bias), want)
+            # NaN: a weight row of NaN makes that output NaN in every row (the later one must lose); a row of x
+            # with a NaN is NaN everywhere (its first output wins)
+            n, k = 9 * block + 5, 64
+            w = torch.randn(n, k, generator=gen).to(dtype)
+            w[7 * block + 2] = float("nan")
+            w[block + 1] = float("nan")
+            x = torch.randn(20, k, generator=gen).to(dtype)
+            x[4, 3] = float("nan")
+            layer = Linear(w)
+            want = layer.fp32(x).argmax(dim=-1)
+            assert want[0] == block + 1 and want[4] == 0
+            assert torch.equal(layer.argmax(x), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _amx() -> None:
     if not cpu_gemv.gemm_amx():
         pytest.skip("the GEMM runs bf16 on AMX tiles only on a CPU with them (Intel Sapphire Rapids and later)")
