@@ -7,7 +7,7 @@
 
 from inference.async_engine import AsyncEngine
 from inference.config import EngineConfig
-from inference.engine import EngineMetrics, LLMEngine
+from inference.engine import LLMEngine
 from inference.errors import (
     EngineDeadError,
     EngineError,
@@ -19,7 +19,7 @@ from inference.errors import (
 from inference.llm import LLM
 from inference.lora.slots import LoRARequest
 from inference.models.loader import ModelInfo
-from inference.outputs import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
+from inference.outputs import EngineMetrics, FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
 from inference.sampling_params import SamplingParams
 from inference.sequence import GenerationRequest, Priority
 

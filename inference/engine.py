@@ -6,7 +6,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -26,56 +25,18 @@ from inference.lora.format import LORA_ARCHITECTURES, BaseDims
 from inference.lora.slots import LoRARequest, LoRASlots
 from inference.model_runner import ModelRunner, StepResult
 from inference.models.loader import LoadedModel, load_model
-from inference.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
-from inference.sampler import GREEDY_EPS, SampledToken, Sampler, SamplingRow, make_generator
+from inference.outputs import EngineMetrics, FinishReason, RequestOutput, TokenLogprob, Usage
+from inference.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledChunk, Scheduler
 from inference.sequence import GenerationRequest, Sequence, SequenceStatus
-from inference.spec.controller import AdaptivePolicy, SpecController
+from inference.spec.controller import AdaptivePolicy, SpecController, Verified
 from inference.spec.drafter import Drafter
 from inference.spec.hybrid import LOOKUP_FIRST_MIN_N, LookupFirst
 from inference.spec.ngram import ENGINE_MIN_N, NgramDrafter
 from inference.spec.settings import MAX_SPECULATIVE_TOKENS, SpecMode, SpeculationSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineMetrics:
-    queue_depth: int
-    running: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_usage: float
-    prefix_cache_hit_rate: float
-    prefix_cache_hit_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    requests_finished_total: int
-    preemptions_total: int
-    ttft_s_avg: float | None
-    tpot_s_avg: float | None
-    tokens_per_s: float  # generated tokens per second over the last ~10 s
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
-    spec_per_position_acceptance: list[float] | None = None
-    kv_compressions_total: int = 0
-    kv_evicted_entries_total: int = 0
-    kv_freed_blocks_total: int = 0
-    mid_step_admissions_total: int = 0  # interactive prompts started between the layers of a step in flight
-    lora_slots: int = 0  # adapter slots (0: LoRA off)
-    lora_resident: list[str] | None = None  # adapters in slots now
-    lora_disk_loads_total: int = 0
-    lora_slot_loads_total: int = 0
-    lora_disk_load_ms_avg: float = 0.0
-    grammar_compiles_total: int = 0  # constraints compiled (cache misses), and served from the cache
-    grammar_cache_hits_total: int = 0
-    grammar_compile_ms_avg: float = 0.0
-    jump_forward_proposed: int = 0  # grammar-forced draft tokens, and how many verification kept
-    jump_forward_accepted: int = 0
-    interactive_waiting: int = 0  # of queue_depth, those of INTERACTIVE priority (BATCH ones queue behind them)
 
 
 class FrontEnd(Protocol):
@@ -278,26 +239,36 @@ class LLMEngine:
         if self.blocks.enable_prefix_caching and blocks.num_cached // self.config.block_size > len(blocks.hashes):
             self.blocks.commit_full_blocks(blocks, seq.token_ids(), seq.request.extra_keys)
 
-    @staticmethod
-    def _greedy_only(chunks: list[ScheduledChunk]) -> bool:
-        """Whether every token this step samples is the argmax of its row's raw logits and nothing else reads
-        them (no logprobs, penalties, grammar, forced token or drafts to verify): then the step asks the model
-        for those argmax tokens alone (ModelRunner.execute's greedy), which the LM head computes without storing
-        the [rows, vocab] logits."""
+    def _append_argmax(self, chunks: list[ScheduledChunk], tokens: list[int], outputs: list[RequestOutput]) -> None:
+        """A greedy step's tokens (one per row as _sample_and_append lays them out): a plain chunk's is its
+        next token; a drafted chunk's verify its draft."""
+        spec, best, row = [], [], 0
         for chunk in chunks:
-            if not chunk.completes:
-                continue
-            seq, params = chunk.seq, chunk.seq.params
-            if (chunk.num_draft or seq.grammar is not None or seq.next_forced is not None
-                    or params.logprobs is not None or params.needs_penalties or params.temperature >= GREEDY_EPS):
-                return False
-        return True
+            if chunk.num_draft:
+                spec.append(chunk)
+                best.append(tokens[row: row + chunk.num_draft + 1])
+            else:
+                outputs.append(self._append_tokens(chunk.seq, [SampledToken(token_id=tokens[row], logprob=None,
+                                                                             top=None)]))
+            row += chunk.num_draft + 1
+        if spec:
+            self._keep_verified(spec, self.spec.verify_argmax([c.seq for c in spec], best), outputs)
+
+    def _keep_verified(self, spec: list[ScheduledChunk], verified: list[Verified],
+                       outputs: list[RequestOutput]) -> None:
+        for chunk, result in zip(spec, verified, strict=True):
+            rejected = chunk.num_draft - result.accepted
+            chunk.seq.blocks.lens -= rejected  # roll back the rejected drafts' KV entries
+            if chunk.seq.draft_forced:
+                self.constrained.record_jump(chunk.seq, result.proposed, result.accepted)
+            chunk.seq.draft, chunk.seq.draft_probs, chunk.seq.draft_forced = [], None, False
+            self._computed(chunk.seq, chunk.num_tokens - rejected)
+            outputs.append(self._append_tokens(chunk.seq, result.tokens))
 
     def _sample_and_append(self, result: StepResult, outputs: list[RequestOutput]) -> None:
         chunks, logits = result.sampled_chunks, result.logits
         if result.tokens is not None:
-            for chunk, token in zip(chunks, result.tokens.tolist(), strict=True):
-                outputs.append(self._append_tokens(chunk.seq, [SampledToken(token_id=token, logprob=None, top=None)]))
+            self._append_argmax(chunks, result.tokens.tolist(), outputs)
             return
         self.constrained.mask(chunks, logits)  # constrained rows only: free ones are untouched
         plain, plain_rows, spec, spec_rows = [], [], [], []
@@ -321,15 +292,7 @@ class LLMEngine:
             for chunk, token in zip(plain, sampled, strict=True):
                 outputs.append(self._append_tokens(chunk.seq, [token]))
         if spec:
-            verified = self.spec.verify([c.seq for c in spec], logits[spec_rows])
-            for chunk, result in zip(spec, verified, strict=True):
-                rejected = chunk.num_draft - result.accepted
-                chunk.seq.blocks.lens -= rejected  # roll back the rejected drafts' KV entries
-                if chunk.seq.draft_forced:
-                    self.constrained.record_jump(chunk.seq, result.proposed, result.accepted)
-                chunk.seq.draft, chunk.seq.draft_probs, chunk.seq.draft_forced = [], None, False
-                self._computed(chunk.seq, chunk.num_tokens - rejected)
-                outputs.append(self._append_tokens(chunk.seq, result.tokens))
+            self._keep_verified(spec, self.spec.verify([c.seq for c in spec], logits[spec_rows]), outputs)
 
     def _admit_arrivals(self) -> None:
         """Called between two layers of the pass in flight. Interactive requests that arrived since it began
@@ -363,13 +326,13 @@ class LLMEngine:
         """Run the batch; if it fails, run each sequence alone so one bad request fails alone."""
         try:
             return [(chunks, self.runner.execute(chunks, between_layers=between_layers,
-                                                 greedy=self._greedy_only(chunks)))]
+                                                 greedy=all(c.argmax_only for c in chunks)))]
         except Exception:
             log.exception("a batched step failed; retrying its sequences one by one")
         results = []
         for chunk in chunks:
             try:
-                results.append(([chunk], self.runner.execute([chunk], greedy=self._greedy_only([chunk]))))
+                results.append(([chunk], self.runner.execute([chunk], greedy=chunk.argmax_only)))
             except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
                 log.exception("request %s failed", chunk.seq.request_id)
                 self._finish(chunk.seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")

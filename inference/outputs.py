@@ -1,4 +1,4 @@
-"""What the engine hands back: per-request outputs (streamed as deltas) and usage."""
+"""What the engine hands back: per-request outputs (streamed as deltas) and usage, and its own gauges (EngineMetrics)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,41 @@ class RequestOutput:
     constrained: dict | None = None  # jump-forward tokens proposed / accepted, when the request has a constraint
     replica: str | None = None  # which engine replica produced it, when a fleet serves the model
     stop_str: str | None = None  # the stop string that ended it (finish_reason STOP), if one did
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    queue_depth: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished_total: int
+    preemptions_total: int
+    ttft_s_avg: float | None
+    tpot_s_avg: float | None
+    tokens_per_s: float  # generated tokens per second over the last ~10 s
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_per_position_acceptance: list[float] | None = None
+    kv_compressions_total: int = 0
+    kv_evicted_entries_total: int = 0
+    kv_freed_blocks_total: int = 0
+    mid_step_admissions_total: int = 0  # interactive prompts started between the layers of a step in flight
+    lora_slots: int = 0  # adapter slots (0: LoRA off)
+    lora_resident: list[str] | None = None  # adapters in slots now
+    lora_disk_loads_total: int = 0
+    lora_slot_loads_total: int = 0
+    lora_disk_load_ms_avg: float = 0.0
+    grammar_compiles_total: int = 0  # constraints compiled (cache misses), and served from the cache
+    grammar_cache_hits_total: int = 0
+    grammar_compile_ms_avg: float = 0.0
+    jump_forward_proposed: int = 0  # grammar-forced draft tokens, and how many verification kept
+    jump_forward_accepted: int = 0
+    interactive_waiting: int = 0  # of queue_depth, those of INTERACTIVE priority (BATCH ones queue behind them)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from inference.block_manager import BlockManager
 from inference.lora.slots import LoRASlots
+from inference.sampler import GREEDY_EPS
 from inference.sequence import Priority, Sequence, SequenceStatus
 
 
@@ -34,6 +35,19 @@ class ScheduledChunk:
     def completes(self) -> bool:
         """After this chunk every known token is computed, so the step samples a new token."""
         return self.seq.num_computed + self.num_tokens - self.num_draft == self.seq.num_tokens
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every token this chunk samples or verifies is the argmax of its row's raw logits and nothing
+        else reads them (no logprobs, penalties, grammar or forced token): a step of such chunks asks the model
+        for those argmax tokens alone (ModelRunner.execute's greedy), which the LM head computes without storing
+        the [rows, vocab] logits."""
+        if not self.completes:
+            return True
+        seq, params = self.seq, self.seq.params
+        return not (seq.grammar is not None or seq.next_forced is not None or params.logprobs is not None
+                    or params.needs_penalties or params.temperature >= GREEDY_EPS
+                    or (self.num_draft and not params.greedy))  # the verifier's own rule for greedy rows
 
 
 @dataclass(slots=True)

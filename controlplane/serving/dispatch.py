@@ -20,9 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from inference import AsyncEngine, EngineConfig, GenerationRequest, ModelInfo, RequestOutput
+from inference import AsyncEngine, EngineConfig, EngineMetrics, GenerationRequest, ModelInfo, RequestOutput
 from inference.constrained import Constraint
-from inference.engine import EngineMetrics
 from inference.errors import PromptTooLongError
 from inference.models.bert import Embedder
 from inference.prompts import prompt_char_limit

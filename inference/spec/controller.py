@@ -134,7 +134,7 @@ class SpecController:
         if plain:
             kept.update(zip(plain, self._verify_greedy([seqs[n] for n in plain],
                                                        [logits[starts[n]: starts[n] + len(seqs[n].draft) + 1]
-                                                        for n in plain]), strict=True))
+                                                        .argmax(dim=-1) for n in plain]), strict=True))
         if other:
             sub_rows = [r for n in other for r in rows[starts[n]: starts[n] + len(seqs[n].draft) + 1]]
             sub_logits = torch.cat([logits[starts[n]: starts[n] + len(seqs[n].draft) + 1] for n in other])
@@ -144,21 +144,31 @@ class SpecController:
         results = []
         for n, seq in enumerate(seqs):
             tokens = kept[n]
-            accepted = len(tokens) - 1
             span = slice(starts[n], starts[n] + len(tokens))
-            scored = self.sampler.score(logits[span], rows[span], tokens)
-            results.append(Verified(scored, proposed=len(seq.draft), accepted=accepted))
-            if not seq.draft_forced:  # a grammar's jump-forward is no drafter's guess: its counts are kept apart
-                self._observe(seq, len(seq.draft), accepted)
+            results.append(self._verified(seq, self.sampler.score(logits[span], rows[span], tokens)))
         return results
 
+    def verify_argmax(self, seqs: list[Sequence], best: list[list[int]]) -> list[Verified]:
+        """`verify` for plain greedy sequences that report no logprobs, from the argmax token at each of their
+        len(draft) + 1 positions alone (the step computed no logits: ModelRunner.execute's greedy)."""
+        kept = self._verify_greedy(seqs, [torch.tensor(tokens, dtype=torch.long) for tokens in best])
+        return [self._verified(seq, [SampledToken(token_id=t, logprob=None, top=None) for t in tokens])
+                for seq, tokens in zip(seqs, kept, strict=True)]
+
+    def _verified(self, seq: Sequence, tokens: list[SampledToken]) -> Verified:
+        accepted = len(tokens) - 1
+        if not seq.draft_forced:  # a grammar's jump-forward is no drafter's guess: its counts are kept apart
+            self._observe(seq, len(seq.draft), accepted)
+        return Verified(tokens, proposed=len(seq.draft), accepted=accepted)
+
     @staticmethod
-    def _verify_greedy(seqs: list[Sequence], logits: list[torch.Tensor]) -> list[list[int]]:
+    def _verify_greedy(seqs: list[Sequence], argmax: list[torch.Tensor]) -> list[list[int]]:
+        """argmax: per sequence, the target's greedy token at each of its len(draft) + 1 positions."""
         k_max = max(len(s.draft) for s in seqs)
         best = torch.zeros(len(seqs), k_max + 1, dtype=torch.long)
         drafts = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
-        for n, (seq, rows) in enumerate(zip(seqs, logits, strict=True)):
-            best[n, : rows.shape[0]] = rows.argmax(dim=-1).cpu()
+        for n, (seq, rows) in enumerate(zip(seqs, argmax, strict=True)):
+            best[n, : rows.shape[0]] = rows.cpu()
             if seq.draft:
                 drafts[n, : len(seq.draft)] = torch.tensor(seq.draft)
         counts = torch.tensor([len(s.draft) for s in seqs], dtype=torch.long)

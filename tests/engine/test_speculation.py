@@ -43,6 +43,30 @@ def test_ngram_greedy_is_token_for_token_identical(tiny_llama) -> None:
     assert any(o.speculation and o.speculation["accepted"] > 0 for o in spec)
 
 
+def _counted(fn, calls: dict[str, int], name: str):
+    def run(hidden):
+        calls[name] += 1
+        return fn(hidden)
+    return run
+
+
+def test_greedy_verification_from_the_heads_argmax_keeps_what_the_logits_keep(tiny_llama) -> None:
+    """Greedy sequences that report no logprobs verify their drafts from the head's argmax tokens alone (no
+    logits computed); with logprobs the same steps compute logits. Same tokens, same drafts kept."""
+    runs = []
+    for params in (GREEDY, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1)):
+        llm = _llm(tiny_llama, speculation="ngram", spec_max_batch=64, spec_min_acceptance=0.0)
+        model, calls = llm.engine.model, {"logits": 0, "greedy": 0}
+        model.logits = _counted(model.logits, calls, "logits")
+        model.greedy_tokens = _counted(model.greedy_tokens, calls, "greedy")
+        outs = llm.generate(PROMPTS, params)
+        m = llm.engine.metrics()
+        runs.append(([o.token_ids for o in outs], m.spec_proposed, m.spec_accepted, calls))
+    (plain, proposed, accepted, calls), (scored, proposed_l, accepted_l, calls_l) = runs
+    assert plain == scored and (proposed, accepted) == (proposed_l, accepted_l) and accepted > 0
+    assert calls["logits"] == 0 < calls["greedy"] and calls_l["greedy"] == 0 < calls_l["logits"]
+
+
 @pytest.mark.parametrize(("target_as_draft", "draft_vocab", "min_confidence", "lookup_first"), [
     (False, 32768, 0.5, True),  # the defaults: lookup first, a reduced head (of 49,152 ids), early stops
     (False, 49152, 0.0, False),
