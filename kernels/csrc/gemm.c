@@ -92,31 +92,42 @@ static inline __attribute__((always_inline)) void fetch_ahead(prefetch *pf) {
 static inline __attribute__((always_inline)) void store_row(int kind, const vec sums[NB], const void *b, void *y,
                                                              int64_t width) {
     float row[BW];
-    vstore(row, sums[0]);
-    vstore(row + VL, sums[1]);
 #ifdef __AVX512BF16__
-    if (kind == BF16_WIDE) {
+    if (kind != F32) {
         const uint16_t *bb = (const uint16_t *)b;
-        float *yf = width == BW ? (float *)y : row; /* a partial last block goes through the row buffer */
-        for (int v = 0; v < NB; v++)
-            vstore(yf + v * VL, round16_bf16(b ? vadd(sums[v], widen16_bf16(bb + v * VL)) : sums[v]));
-        for (int64_t c = 0; width < BW && c < width; c++) ((float *)y)[c] = row[c];
-        return;
-    }
-    if (kind == BF16_PAIRS) {
-        const uint16_t *bb = (const uint16_t *)b;
-        if (width == BW) {
-            for (int v = 0; v < NB; v++) {
-                const vec total = b ? vadd(sums[v], widen16_bf16(bb + v * VL)) : sums[v];
-                _mm256_storeu_si256((__m256i *)((uint16_t *)y + v * VL), narrow16_bf16(total));
-            }
+        vec lo = sums[0], hi = sums[1];
+        if (b && width == BW) {
+            lo = vadd(lo, widen16_bf16(bb));
+            hi = vadd(hi, widen16_bf16(bb + VL));
+        } else if (b) { /* a partial last block's bias ends at n */
+            vstore(row, lo);
+            vstore(row + VL, hi);
+            for (int64_t c = 0; c < width; c++) row[c] += widen1_bf16(bb[c]);
+            lo = vload_f32(row);
+            hi = vload_f32(row + VL);
+        }
+        /* both vectors rounded by one instruction (simd.h's narrow16_bf16), stored by one */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        if (kind == BF16_WIDE) { /* each bf16 value widened back */
+            float *yf = width == BW ? (float *)y : row; /* a partial last block goes through the row buffer */
+            vstore(yf, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16)));
+            vstore(yf + VL, _mm512_castsi512_ps(
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16)));
+            if (width < BW) memcpy(y, row, (size_t)width * sizeof *row);
             return;
         }
-        for (int64_t c = 0; c < width; c++)
-            ((uint16_t *)y)[c] = narrow1_bf16(row[c] + (b ? widen1_bf16(bb[c]) : 0.f));
+        if (width == BW) {
+            _mm512_storeu_si512(y, both);
+            return;
+        }
+        uint16_t half[BW];
+        _mm512_storeu_si512(half, both);
+        memcpy(y, half, (size_t)width * sizeof *half);
         return;
     }
 #endif
+    vstore(row, sums[0]);
+    vstore(row + VL, sums[1]);
     const float *bf = (const float *)b;
     if (width == BW) {
         vstore((float *)y, b ? vadd(sums[0], vload_f32(bf)) : sums[0]);

@@ -95,12 +95,18 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
 }
 
-/* widen8_bf16 and narrow8_bf16, sixteen lanes (the same rounding: nearest even, NaN stays NaN). */
+/* widen8_bf16 and narrow8_bf16, sixteen lanes (the same rounding: nearest even, NaN stays NaN). Where the CPU has
+ * AVX-512 BF16, its one conversion instruction: the same bits, except that it flushes fp32 values below 2^-126
+ * (denormals) to zero, as oneDNN's bf16 products (which use it) do. A third of a 32 x 32 block's time went to the
+ * eleven-instruction sequence below in the AMX GEMM's epilogue at k = 576 (docs/benchmarks.md). */
 static inline __m512 widen16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 static inline __m256i narrow16_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
@@ -108,6 +114,7 @@ static inline __m256i narrow16_bf16(__m512 v) {
                                             _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
+#endif
 }
 
 static inline __m512 round16_bf16(__m512 v) {
