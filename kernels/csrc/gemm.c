@@ -87,45 +87,41 @@ static inline __attribute__((always_inline)) void fetch_ahead(prefetch *pf) {
     }
 }
 
+#ifdef __AVX512BF16__
+/* Half `half` (0: values 0-15, 1: values 16-31) of 32 bf16 values, widened to fp32. */
+static inline __m512 widen_half_bf16(__m512i v, int half) {
+    const __m256i h = half ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* One row's BW sums plus the bias, stored in y's dtype; width is how many of the block's outputs exist (the
- * last block may be partial). */
+ * last block may be partial). The bf16 kinds load, round and store through masks and registers only: with a
+ * stack buffer and a memcpy for the partial block here, GCC kept the register tile's sums on the stack in every
+ * tile of the inlined kernels, fp32 ones included (products 2.3x slower on an AVX-512 EPYC; docs/benchmarks.md). */
 static inline __attribute__((always_inline)) void store_row(int kind, const vec sums[NB], const void *b, void *y,
                                                              int64_t width) {
-    float row[BW];
 #ifdef __AVX512BF16__
     if (kind != F32) {
-        const uint16_t *bb = (const uint16_t *)b;
+        const __mmask32 keep = width == BW ? ~(__mmask32)0 : (__mmask32)((1u << width) - 1);
         vec lo = sums[0], hi = sums[1];
-        if (b && width == BW) {
-            lo = vadd(lo, widen16_bf16(bb));
-            hi = vadd(hi, widen16_bf16(bb + VL));
-        } else if (b) { /* a partial last block's bias ends at n */
-            vstore(row, lo);
-            vstore(row + VL, hi);
-            for (int64_t c = 0; c < width; c++) row[c] += widen1_bf16(bb[c]);
-            lo = vload_f32(row);
-            hi = vload_f32(row + VL);
+        if (b) {
+            const __m512i bias = _mm512_maskz_loadu_epi16(keep, b);
+            lo = vadd(lo, widen_half_bf16(bias, 0));
+            hi = vadd(hi, widen_half_bf16(bias, 1));
         }
-        /* both vectors rounded by one instruction (simd.h's narrow16_bf16), stored by one */
+        /* both vectors rounded by one instruction (simd.h's narrow16_bf16) */
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
         if (kind == BF16_WIDE) { /* each bf16 value widened back */
-            float *yf = width == BW ? (float *)y : row; /* a partial last block goes through the row buffer */
-            vstore(yf, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16)));
-            vstore(yf + VL, _mm512_castsi512_ps(
-                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16)));
-            if (width < BW) memcpy(y, row, (size_t)width * sizeof *row);
+            _mm512_mask_storeu_ps(y, (__mmask16)keep, widen_half_bf16(both, 0));
+            _mm512_mask_storeu_ps((float *)y + VL, (__mmask16)(keep >> 16), widen_half_bf16(both, 1));
             return;
         }
-        if (width == BW) {
-            _mm512_storeu_si512(y, both);
-            return;
-        }
-        uint16_t half[BW];
-        _mm512_storeu_si512(half, both);
-        memcpy(y, half, (size_t)width * sizeof *half);
+        _mm512_mask_storeu_epi16(y, keep, both);
         return;
     }
 #endif
+    float row[BW];
     vstore(row, sums[0]);
     vstore(row + VL, sums[1]);
     const float *bf = (const float *)b;
