@@ -78,6 +78,9 @@ class AdapterTable:
         self.entries = (Adapter * (slots * layers * len(PROJECTIONS)))()
         self.ready = [True] * slots  # whether every product of the slot's adapter runs here
         self.widest = 0  # the most columns of any adapter's rank vector (k * r)
+        self.widest_in = self.widest_out = 0  # the widest input and output of any adapted projection
+        # What hearth_lora_add reads of a model: the activations' size and the GEMV's most rows (threads per call).
+        self.model = _Model(elem=torch.finfo(dtype).bits // 8, gemv_rows=MAX_ROWS)
 
     def _index(self, slot: int, layer: int, projection: str) -> int:
         return (slot * self.layers + layer) * len(PROJECTIONS) + PROJECTIONS.index(projection)
@@ -97,6 +100,7 @@ class AdapterTable:
             return
         self.entries[self._index(slot, layer, projection)] = Adapter(*pair)
         self.widest = max(self.widest, pair[0].n)
+        self.widest_in, self.widest_out = max(self.widest_in, pair[0].k), max(self.widest_out, pair[1].n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +113,48 @@ class AdapterRows:
     spans: torch.Tensor
 
 
+class LoraRows:
+    """A step's adapters for the Python forward's projections (prompt chunks, steps off the one-call layers): each
+    adapted projection adds its rows' deltas in one C call (decode_layer.c's hearth_lora_add), the products and
+    sums the one-call layers make, so lora_apply_packed's bits without its gather, zeroed [rows, out] delta and
+    scatter-add, and without a Python call per adapter. Scratch for the step's rows is allocated once."""
+
+    def __init__(self, adapters: AdapterRows) -> None:
+        table = self.table = adapters.table
+        self.order = adapters.order.to(torch.int64).contiguous()
+        self.spans = adapters.spans.to(torch.int64).contiguous()
+        used = self.order.numel()
+        widths = (table.widest_in, table.widest, table.widest_out)  # the gathered rows, rank vectors, deltas
+        self.scratch = torch.empty(used * sum(widths), dtype=table.dtype)
+        widened_row = max(table.widest_in, table.widest)  # the GEMV widens x of any adapter product to fp32
+        self.widened = torch.empty(used * widened_row, dtype=torch.float32)
+        base, elem = self.scratch.data_ptr(), table.model.elem
+        self.struct = _Lora(ctypes.addressof(table.entries), table.layers, self.order.data_ptr(),
+                            self.spans.data_ptr(), self.spans.shape[0], base, base + used * widths[0] * elem,
+                            base + used * (widths[0] + widths[1]) * elem, table.widest, widened_row)
+        self._add = _library().hearth_lora_add
+
+    def takes(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether `add` reads x and writes y as they are (contiguous rows of the step in the table's dtype)."""
+        return (x.dim() == 2 and y.dim() == 2 and x.shape[0] == y.shape[0] and x.dtype == y.dtype == self.table.dtype
+                and x.is_contiguous() and y.is_contiguous() and x.shape[1] <= self.table.widest_in
+                and y.shape[1] <= self.table.widest_out)
+
+    def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [rows, out] += each adapted row's delta from x [rows, in] (in place); see `takes`."""
+        self.table.model.threads = torch.get_num_threads()
+        self._add(ctypes.byref(self.table.model), ctypes.byref(self.struct), self.widened.data_ptr(), layer,
+                  PROJECTIONS.index(projection), x.data_ptr(), x.shape[1], y.data_ptr(), y.shape[1])
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load("decode_layer")
     if lib is not None:
         lib.hearth_decode_layer.argtypes = [_c, _c, _c, ctypes.c_int64]
         lib.hearth_decode_layer.restype = None
+        lib.hearth_lora_add.argtypes = [_c, _c, _c, *[ctypes.c_int64] * 2, _c, ctypes.c_int64, _c, ctypes.c_int64]
+        lib.hearth_lora_add.restype = None
     return lib
 
 

@@ -15,6 +15,7 @@ kept packed (see kernels/lora.py), where the number of small ops is what costs. 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -263,6 +264,13 @@ class LoRABatch:
         self.slot = slot  # stacked: each row's slot, -1 for none
         self.order, self.spans = order, spans  # packed: rows sorted by slot, and each slot's range of them
 
+    @functools.cached_property
+    def cpu_rows(self) -> cpu_decode_layer.LoraRows | None:
+        """Where every adapter present runs on the CPU kernels: the step's rows for their one C call a projection
+        (made at the first adapted projection, its scratch kept for the step)."""
+        adapters = self.slots.one_call(self)
+        return cpu_decode_layer.LoraRows(adapters) if adapters is not None else None
+
     def touches(self, layer: int, fused: str) -> bool:
         """Whether any adapter of this step changes that projection of that layer."""
         return any((layer, fused) in self.slots.slots[s].targets for s in self.present)
@@ -278,4 +286,8 @@ class LoRABatch:
             return triton_lora.lora_apply(y, x, slots.a[key], slots.b[key], self.slot, slots._scale,
                                           slots.bounds[fused], max_rank=self.max_rank)
         assert self.order is not None and self.spans is not None
+        rows = self.cpu_rows
+        if rows is not None and rows.takes(x, y):
+            rows.add(layer, fused, x, y)
+            return y
         return lora_ref.lora_apply_packed(y, x, slots.packed[key], self.order, self.spans, slots.packed_dtype)

@@ -129,8 +129,7 @@ static const Adapter *adapter(const Lora *A, int64_t slot, int64_t layer, int64_
 }
 
 /* Whether some adapter of the step changes this projection of this layer. */
-static int adapted(const Step *S, int64_t layer, int64_t projection) {
-    const Lora *A = S->lora;
+static int lora_adapted(const Lora *A, int64_t layer, int64_t projection) {
     for (int64_t s = 0; A && s < A->n_spans; s++)
         if (adapter(A, A->spans[3 * s], layer, projection)->shrink.fn) return 1;
     return 0;
@@ -138,13 +137,12 @@ static int adapted(const Step *S, int64_t layer, int64_t projection) {
 
 /* One span's part of add_adapters: rows order[start, start + m) of one adapter, its scratch rows at `start`
  * (each scratch buffer's rows have one width for every adapter, so spans run at once never share a byte). */
-static void add_span(const Model *M, const Step *S, const Adapter *ad, int64_t start, int64_t m, const void *x,
-                     int64_t in, void *y, int64_t out, int64_t threads) {
-    const Lora *A = S->lora;
+static void add_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
+                     const void *x, int64_t in, void *y, int64_t out, int64_t threads) {
     const int64_t e = M->elem, *rows = A->order + start;
     char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * A->mid_row * e;
     char *delta = (char *)A->delta + start * out * e;
-    float *widened = S->widened + start * A->widened_row;
+    float *widened = widened_rows + start * A->widened_row;
     for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
     product_rows(M, &ad->shrink, xs, mid, m, threads, widened);
     product_rows(M, &ad->expand, mid, delta, m, threads, widened);
@@ -169,26 +167,32 @@ static void add_span(const Model *M, const Step *S, const Adapter *ad, int64_t s
  * rows gathered, its two products on them, each delta added to its row once (in the activations' dtype). With
  * at least as many adapters as threads, each thread takes whole adapters, their products on one thread: a step's
  * few rows per adapter make products of a few microseconds, which a parallel region per product would double.
- * Each output is computed by the same code on the same rows either way, so the results do not change. */
-static void add_adapters(const Model *M, const Step *S, int64_t layer, int64_t projection, const void *x,
-                         int64_t in, void *y, int64_t out) {
-    const Lora *A = S->lora;
-    if (!A || !adapted(S, layer, projection)) return;
+ * Each output is computed by the same code on the same rows either way, so the results do not change. Steps of
+ * the Python forward (prompt chunks) call it too (kernels/cpu_decode_layer.LoraRows): lora_apply_packed's bits,
+ * without its gather, zeroed delta and scatter-add over the whole step. widened: rows x A->widened_row floats. */
+void hearth_lora_add(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection,
+                     const void *x, int64_t in, void *y, int64_t out) {
+    if (!A || !lora_adapted(A, layer, projection)) return;
     const int64_t n = A->n_spans, threads = M->threads > 0 ? M->threads : 1;
     if (n >= threads && threads > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int64_t s = 0; s < n; s++) {
             const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
             const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
-            if (ad->shrink.fn && m > 0) add_span(M, S, ad, start, m, x, in, y, out, 1);
+            if (ad->shrink.fn && m > 0) add_span(M, A, widened, ad, start, m, x, in, y, out, 1);
         }
         return;
     }
     for (int64_t s = 0; s < n; s++) {
         const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
         const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
-        if (ad->shrink.fn && m > 0) add_span(M, S, ad, start, m, x, in, y, out, threads);
+        if (ad->shrink.fn && m > 0) add_span(M, A, widened, ad, start, m, x, in, y, out, threads);
     }
+}
+
+static void add_adapters(const Model *M, const Step *S, int64_t layer, int64_t projection, const void *x,
+                         int64_t in, void *y, int64_t out) {
+    hearth_lora_add(M, S->lora, S->widened, layer, projection, x, in, y, out);
 }
 
 /* Layer `index` of the decoder (pre-norm attention and SiLU-gated MLP, as DecoderLM.forward runs it). */
@@ -211,7 +215,7 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
     add_adapters(M, S, index, O, S->attn, q_row, S->x, M->hidden);
     norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     const Matrix *gu = &L->gate_up;
-    if (m > M->gemv_rows && L->gate_up_silu && !adapted(S, index, GATE_UP)) {
+    if (m > M->gemv_rows && L->gate_up_silu && !(S->lora && lora_adapted(S->lora, index, GATE_UP))) {
         /* the products and SiLU * up in one pass, as the forward does */
         if (gu->kind == GEMV_F32)
             ((gemv_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k, M->threads);

@@ -161,3 +161,47 @@ def test_steps_with_adapters_run_here_with_the_python_forward_results(isa: str, 
     choice = [None] * len(prompts)
     plain = outputs(4)
     assert all(plain[i] != here[2][i] for i in range(3)) and plain[3] == here[2][3]  # the adapters change their rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_chunks_with_adapters_add_their_deltas_in_one_call_a_projection(
+        isa: str, tiny_models: dict[str, Path], dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt chunks (the Python forward) whose rows use adapters on these kernels add each projection's deltas in
+    one C call (LoraRows) instead of lora_apply_packed's torch ops: the same tokens and logprobs, bit for bit."""
+    from inference import LoRARequest
+    from inference.config import default_dtype
+    from inference.lora.slots import LoRABatch
+    from tests.lora_support import make_peft_adapter
+
+    base = tiny_models["qwen2"]
+    shapes = [(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+              (4, ("q_proj", "v_proj")), (16, ("o_proj", "gate_proj", "down_proj"))]
+    adapters = [LoRARequest(f"p{i}", make_peft_adapter(base, tmp_path / f"p{i}", rank=rank, alpha=2 * rank,
+                                                        targets=targets, seed=int(torch.randint(0, 2**31 - 1, ()))))
+                for i, (rank, targets) in enumerate(shapes)]
+    config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
+                          enable_prefix_caching=False, max_loras=4, max_num_batched_tokens=24)
+    prompts = [*PROMPTS, "A fourth prompt on the base model alone, long enough to span chunks of the step"]
+    choice = [*adapters, None]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    llm = LLM(base, config)
+    model = llm.engine.runner.model
+    model.decode_stack = None  # every step through the Python forward
+    ids = [llm.encode(p, raw=True) for p in prompts]
+
+    def outputs() -> list[tuple[list[int], list[float]]]:
+        return [(o.token_ids, [lp.logprob for lp in o.all_logprobs]) for o in llm.generate_ids(ids, params, choice)]
+
+    calls: list[int] = []
+    add = cpu_decode_layer.LoraRows.add
+    monkeypatch.setattr(cpu_decode_layer.LoraRows, "add",
+                        lambda self, layer, projection, x, y: (calls.append(x.shape[0]), add(self, layer, projection, x, y))[1])
+    here = outputs()
+    native = dtype == "float32" or (default_dtype("cpu") == torch.bfloat16 and model.layers[0].qkv.gemm)
+    if native:
+        assert max(calls) > 3, "prompt chunks of many rows take the one call"
+    else:
+        assert not calls, "adapters whose products are not these kernels keep lora_apply_packed"
+    monkeypatch.setattr(LoRABatch, "cpu_rows", property(lambda self: None))  # lora_apply_packed's torch ops
+    assert here == outputs()

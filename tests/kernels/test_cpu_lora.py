@@ -1,0 +1,107 @@
+"""A step's LoRA deltas in one C call per projection (kernels/cpu_decode_layer.LoraRows, what the Python forward's
+prompt chunks use) against lora_apply_packed, the torch path it replaces: the same products on the same rows, so
+the same bits, on fresh random adapters of mixed ranks and targets, fp32 and bf16, both CPU builds, with adapters'
+rows of one or two (the GEMV) and of many (the GEMM), with as many adapters as threads and with fewer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inference.models.layers import Linear
+from kernels import cpu_decode_layer, cpu_gemv
+from kernels import lora as lora_ref
+from tests.cpu_builds import isa
+
+pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="the CPU kernels cannot be built here")
+__all__ = ["isa"]  # the fixture, imported: both CPU builds
+
+HIDDEN, INTER = 64, 96
+# Each fused projection: its input width and its sub-modules' output bounds (q 64, k 32, v 32; gate, up).
+SHAPES = {"qkv": (HIDDEN, [0, 64, 96, 128]), "o": (HIDDEN, [0, HIDDEN]), "gate_up": (HIDDEN, [0, INTER, 2 * INTER]),
+          "down": (INTER, [0, HIDDEN])}
+LAYERS = 2
+
+
+def _adapters(gen: torch.Generator, dtype: torch.dtype, slots: int) -> tuple[cpu_decode_layer.AdapterTable, dict]:
+    """Random packed adapters in every slot (ranks 2-16, each adapting a random subset of the sub-modules), in the
+    table the C call reads and as the (shrink, expand) products lora_apply_packed takes."""
+    table = cpu_decode_layer.AdapterTable(slots, LAYERS, dtype)
+    products: dict[tuple[int, str], list] = {}
+    for slot in range(slots):
+        rank = int(torch.randint(1, 9, (), generator=gen)) * 2
+        for layer in range(LAYERS):
+            for projection, (fan_in, bounds) in SHAPES.items():
+                weights = products.setdefault((layer, projection), [None] * slots)
+                chosen = [j for j in range(len(bounds) - 1) if torch.rand((), generator=gen) < 0.7]
+                if not chosen:
+                    continue  # this adapter leaves the projection alone
+                subs = [(j, torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5,
+                         torch.randn(bounds[j + 1] - bounds[j], rank, generator=gen)) for j in chosen]
+                a, b = lora_ref.pack(subs, bounds, 0.5 + float(torch.rand((), generator=gen)), dtype)
+                shrink, expand = Linear(a), Linear(b)
+                weights[slot] = (shrink, expand)
+                table.set(slot, layer, projection, (*shrink.kernel_weight(), shrink.gemm),
+                          (*expand.kernel_weight(), expand.gemm))
+    return table, products
+
+
+def _rows(row_slots: np.ndarray) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """The step's adapted rows sorted by slot and each slot's range of them, as LoRASlots.batch makes them."""
+    used = np.flatnonzero(row_slots >= 0)
+    order = used[np.argsort(row_slots[used], kind="stable")]
+    ordered = row_slots[order]
+    spans = []
+    for s in sorted({int(s) for s in row_slots[used]}):
+        start, end = np.searchsorted(ordered, [s, s + 1])
+        spans.append((s, int(start), int(end)))
+    return torch.from_numpy(order), spans
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_adds_what_lora_apply_packed_adds_bit_for_bit(isa: str, dtype: torch.dtype) -> None:
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    slots = 5
+    table, products = _adapters(gen, dtype, slots)
+    if not all(table.ready):
+        # bf16 products of many rows are oneDNN's on a build without AVX-512 BF16: the torch path keeps them.
+        assert dtype == torch.bfloat16 and not cpu_gemv.gemm_supports(cpu_gemv.pack(torch.zeros(32, 32, dtype=dtype)))
+        pytest.skip("this build's bf16 products of many rows are not the C kernels' (oneDNN's)")
+    threads = torch.get_num_threads()
+    # Every slot, some with one or two rows (the GEMV) and some with many (the GEMM), and rows of the base model;
+    # then a single adapter (fewer adapters than threads: its products take every thread).
+    steps = [np.concatenate([np.full(1, 0), np.full(2, 1), np.full(37, 2), np.full(150, 3), np.full(9, 4),
+                             np.full(40, -1)]), np.concatenate([np.full(200, 3), np.full(30, -1)])]
+    for row_slots in steps:
+        row_slots = row_slots[torch.randperm(len(row_slots), generator=gen).numpy()]
+        order, spans = _rows(row_slots)
+        rows = cpu_decode_layer.LoraRows(cpu_decode_layer.AdapterRows(table, order, torch.tensor(spans)))
+        for (layer, projection), weights in products.items():
+            fan_in, bounds = SHAPES[projection]
+            x = torch.randn(len(row_slots), fan_in, generator=gen).to(dtype)
+            y = torch.randn(len(row_slots), bounds[-1], generator=gen).to(dtype)
+            want = lora_ref.lora_apply_packed(y.clone(), x, weights, order, spans, dtype)
+            got = y.clone()
+            assert rows.takes(x, got)
+            rows.add(layer, projection, x, got)
+            assert torch.equal(got, want), (seed, threads, layer, projection, len(spans))
+            base = torch.from_numpy(row_slots < 0)
+            assert torch.equal(got[base], y[base])  # rows of the base model are left alone
+            adapted = [s for s, _, _ in spans if weights[s] is not None]
+            if adapted:
+                changed = torch.from_numpy(np.isin(row_slots, adapted))
+                assert not torch.equal(got[changed], y[changed]), seed
+
+
+def test_rows_it_cannot_read_as_they_are_are_not_taken() -> None:
+    gen = torch.Generator().manual_seed(3)
+    table, _ = _adapters(gen, torch.float32, 2)
+    order, spans = _rows(np.array([0, 1, 1, -1]))
+    rows = cpu_decode_layer.LoraRows(cpu_decode_layer.AdapterRows(table, order, torch.tensor(spans)))
+    x, y = torch.randn(4, HIDDEN), torch.randn(4, 2 * INTER)
+    assert rows.takes(x, y)
+    assert not rows.takes(x.t().contiguous().t(), y)  # not contiguous
+    assert not rows.takes(x.bfloat16(), y.bfloat16())  # another dtype than the table's
+    assert not rows.takes(x[:3], y)  # not the step's rows
