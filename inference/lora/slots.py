@@ -236,14 +236,14 @@ class LoRASlots:
         present = sorted({int(s) for s in row_slots[used]})
         if self.stacked:
             slot = torch.from_numpy(row_slots.astype(np.int64)).to(self.device)
-            return LoRABatch(self, present, max(self.slots[s].rank for s in present), slot=slot)
+            return LoRABatch(self, present, max(self.slots[s].rank for s in present), row_slots, slot=slot)
         order = used[np.argsort(row_slots[used], kind="stable")]  # each adapter's rows together
         sorted_slots = row_slots[order]
         spans = []
         for s in present:
             start, end = np.searchsorted(sorted_slots, [s, s + 1])
             spans.append((s, int(start), int(end)))
-        return LoRABatch(self, present, max(self.slots[s].rank for s in present),
+        return LoRABatch(self, present, max(self.slots[s].rank for s in present), row_slots,
                          order=torch.from_numpy(order).to(self.device), spans=spans)
 
     def one_call(self, batch: LoRABatch) -> cpu_decode_layer.AdapterRows | None:
@@ -258,11 +258,21 @@ class LoRASlots:
 class LoRABatch:
     """Adds each row's adapter to a projection's output, for the rows of one step."""
 
-    def __init__(self, slots: LoRASlots, present: list[int], max_rank: int, *, slot: torch.Tensor | None = None,
-                 order: torch.Tensor | None = None, spans: list[tuple[int, int, int]] | None = None) -> None:
+    def __init__(self, slots: LoRASlots, present: list[int], max_rank: int, row_slots: np.ndarray, *,
+                 slot: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                 spans: list[tuple[int, int, int]] | None = None) -> None:
         self.slots, self.present, self.max_rank = slots, present, max_rank
+        self.row_slots = row_slots  # each row's slot, -1 for none (host)
+        self._kept: tuple[torch.Tensor, LoRABatch | None] | None = None
         self.slot = slot  # stacked: each row's slot, -1 for none
         self.order, self.spans = order, spans  # packed: rows sorted by slot, and each slot's range of them
+
+    def kept(self, keep: torch.Tensor) -> LoRABatch | None:
+        """The same adapters for the rows `keep` lists, in its order (a pass's last layer runs its output
+        projection and MLP on the rows it samples alone); None where none of them uses an adapter."""
+        if self._kept is None or self._kept[0] is not keep:
+            self._kept = (keep, self.slots.batch(self.row_slots[keep.cpu().numpy()]))
+        return self._kept[1]
 
     @functools.cached_property
     def cpu_rows(self) -> cpu_decode_layer.LoraRows | None:

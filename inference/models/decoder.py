@@ -261,17 +261,17 @@ class DecoderLM:
                 self.decode_stack.layer(step, index)
             final = self._add_norm(step.h, step.x, self.final_norm)[1]
             return final if keep is None else final.index_select(0, keep)
-        # LoRA steps keep every row: an adapter's rows are found by their place in the whole step.
-        trim = keep if batch.lora is None else None
         residual: torch.Tensor | None = None  # the last sublayer's output, added to h with the next norm
         for index, layer in enumerate(self.layers):
             if between_layers is not None:
                 between_layers()
             h, x = self._add_norm(h, residual, layer.input_norm)
-            if trim is not None and index == self.num_layers - 1:
-                x = self._attention(index, layer, x, batch, kv, trim)
-                h = h.index_select(0, trim)
-                if not trim.numel():  # no row samples (a prompt's early chunk): its keys and values are written
+            lora = batch.lora  # the adapters of the rows this layer's output projection and MLP run on
+            if keep is not None and index == self.num_layers - 1:
+                x = self._attention(index, layer, x, batch, kv, keep)
+                h = h.index_select(0, keep)
+                lora = lora.kept(keep) if lora is not None else None
+                if not keep.numel():  # no row samples (a prompt's early chunk): its keys and values are written
                     return h
             else:
                 x = self._attention(index, layer, x, batch, kv)
@@ -280,24 +280,24 @@ class DecoderLM:
             else:
                 h, x = self._add_norm(h, x, layer.post_attn_norm)
             if (self.gate_up_silu and x.shape[0] > cpu_gemv.MAX_ROWS
-                    and (batch.lora is None or not batch.lora.touches(index, "gate_up"))):
+                    and (lora is None or not lora.touches(index, "gate_up"))):
                 x = cpu_gemv.gemm_silu(x, *layer.gate_up.kernel_weight())
             else:
                 gate_up = layer.gate_up(x)
-                if batch.lora is not None:
-                    batch.lora.apply(index, "gate_up", x, gate_up)
+                if lora is not None:
+                    lora.apply(index, "gate_up", x, gate_up)
                 if self.silu_mul:
                     x = cpu_fused.silu_mul(gate_up)
                 else:
                     gate, up = gate_up.chunk(2, dim=-1)
                     x = self.act(gate) * up
             down = layer.down(x)
-            x = batch.lora.apply(index, "down", x, down) if batch.lora is not None else down
+            x = lora.apply(index, "down", x, down) if lora is not None else down
             if layer.post_ffn_norm is not None:
                 x = self._norm(x, layer.post_ffn_norm)
             residual = x
         final = self._add_norm(h, residual, self.final_norm)[1]
-        return final if keep is None or trim is not None else final.index_select(0, keep)
+        return final
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
@@ -417,4 +417,5 @@ class DecoderLM:
             if not keep.numel():
                 return out.new_empty(0, self.hidden_size)
         o = layer.o(out)
-        return batch.lora.apply(index, "o", out, o) if batch.lora is not None else o
+        lora = batch.lora if keep is None or batch.lora is None else batch.lora.kept(keep)
+        return lora.apply(index, "o", out, o) if lora is not None else o

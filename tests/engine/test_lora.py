@@ -124,6 +124,34 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(tiny_adapters: list
     assert len({tuple(t) for t in same}) == len(adapters)
 
 
+def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products_with_adapters(
+        tiny_base: Path, tiny_adapters: list[LoRARequest]) -> None:
+    """A step's adapters follow the rows its last layer keeps (the rows that sample): prompts in chunks beside
+    decodes, adapters mixed with the base model, give at every sampled token the logprob that scoring the whole
+    sequence under its adapter at every position gives, with the last layer's products on fewer rows."""
+    llm = LLM(tiny_base, EngineConfig(dtype="float32", kv_cache_memory="32MiB", max_loras=4, max_num_batched_tokens=16,
+                                      enable_prefix_caching=False))
+    model = llm.engine.model
+    rows = {"first": 0, "last": 0}
+
+    def counting(linear, name: str):
+        def run(x):
+            rows[name] += x.shape[0]
+            return linear(x)
+        return run
+
+    model.layers[0].o, model.layers[-1].o = counting(model.layers[0].o, "first"), counting(model.layers[-1].o, "last")
+    prompts = [llm.encode(p, raw=True) for p in PROMPTS[:6]]
+    choice = [[*tiny_adapters[:3], None][i % 4] for i in range(len(prompts))]
+    outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1),
+                            choice)
+    assert rows["last"] < rows["first"] - sum(map(len, prompts)) // 2
+    for prompt, adapter, out in zip(prompts, choice, outs, strict=True):
+        logits = llm.engine.prompt_logits(prompt + out.token_ids[:-1], lora=adapter)[len(prompt) - 1:]
+        scored = torch.log_softmax(logits, dim=-1)[torch.arange(len(out.token_ids)), out.token_ids]
+        assert [lp.logprob for lp in out.all_logprobs] == pytest.approx(scored.tolist(), abs=1e-4)
+
+
 def test_more_adapters_than_slots_wait_and_swap(tiny_base: Path, tiny_adapters: list[LoRARequest]) -> None:
     llm = LLM(tiny_base, EngineConfig(dtype="float32", kv_cache_memory="32MiB", max_loras=2))
     ids = llm.encode(PROMPTS[1], raw=True)
