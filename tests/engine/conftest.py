@@ -103,3 +103,11 @@ def hold_steps(engine: AsyncEngine) -> tuple[threading.Event, threading.Event]:
 
     engine.engine.step = held_step  # type: ignore[method-assign]
     return in_step, release
+
+
+def counting_rows(product, rows: dict[str, int], name: str):
+    """product (a layer's projection), adding the rows of every call to rows[name]."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows[name] += x.shape[0]
+        return product(x)
+    return run

@@ -16,7 +16,7 @@ from inference import (
     PromptTooLongError,
     SamplingParams,
 )
-from tests.engine.conftest import SMOLLM, require_installed
+from tests.engine.conftest import SMOLLM, counting_rows, require_installed
 
 PROMPTS = [
     "The capital of France is",
@@ -75,15 +75,8 @@ def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products(tiny_mo
     llm = _llm(tiny_model, max_num_batched_tokens=16, enable_prefix_caching=False)
     last = llm.engine.model.layers[-1]
     rows = {"first": 0, "last": 0}
-
-    def counting(linear, name: str):
-        def run(x):
-            rows[name] += x.shape[0]
-            return linear(x)
-        return run
-
-    llm.engine.model.layers[0].o = counting(llm.engine.model.layers[0].o, "first")
-    last.o = counting(last.o, "last")
+    llm.engine.model.layers[0].o = counting_rows(llm.engine.model.layers[0].o, rows, "first")
+    last.o = counting_rows(last.o, rows, "last")
     prompts = [llm.encode(p, raw=True) for p in PROMPTS]
     outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))
     assert rows["last"] < rows["first"] - sum(map(len, prompts)) // 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference import LLM, EngineConfig, GenerationRequest, InvalidRequestError, LoRARequest, SamplingParams
-from tests.engine.conftest import SMOLLM, require_installed
+from tests.engine.conftest import SMOLLM, counting_rows, require_installed
 from tests.engine.test_parity import PROMPTS
 from tests.lora_support import make_peft_adapter, peft_reference
 
@@ -133,14 +133,8 @@ def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products_with_ad
                                       enable_prefix_caching=False))
     model = llm.engine.model
     rows = {"first": 0, "last": 0}
-
-    def counting(linear, name: str):
-        def run(x):
-            rows[name] += x.shape[0]
-            return linear(x)
-        return run
-
-    model.layers[0].o, model.layers[-1].o = counting(model.layers[0].o, "first"), counting(model.layers[-1].o, "last")
+    model.layers[0].o = counting_rows(model.layers[0].o, rows, "first")
+    model.layers[-1].o = counting_rows(model.layers[-1].o, rows, "last")
     prompts = [llm.encode(p, raw=True) for p in PROMPTS[:6]]
     choice = [[*tiny_adapters[:3], None][i % 4] for i in range(len(prompts))]
     outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1),
