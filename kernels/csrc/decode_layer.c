@@ -135,7 +135,7 @@ static int lora_adapted(const Lora *A, int64_t layer, int64_t projection) {
     return 0;
 }
 
-/* One span's part of add_adapters: rows order[start, start + m) of one adapter, its scratch rows at `start`
+/* One span's part of hearth_lora_add: rows order[start, start + m) of one adapter, its scratch rows at `start`
  * (each scratch buffer's rows have one width for every adapter, so spans run at once never share a byte). */
 static void add_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
                      const void *x, int64_t in, void *y, int64_t out, int64_t threads) {
