@@ -16,15 +16,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q, Value
-from django.db.models.functions import Coalesce
+from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane.accounts.services import KeyContext
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import ascii_int
-from controlplane.batches import events
+from controlplane.batches import events, item_sql
 from controlplane.batches.models import Batch, File, Item
 from controlplane.batches.validation import ItemError, check_line
 from controlplane.catalog.services import get_model
@@ -326,6 +325,7 @@ class Claim:
     item_id: int
     batch_id: str
     token: str
+    batch: Batch  # the item's batch as read right after the claim; finish refreshes its counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,14 +333,6 @@ class ClaimResult:
     claim: Claim | None = None
     wait_s: float | None = None  # another worker holds a live lease: look again after this long
     item: Item | None = None  # the claimed item, its batch joined, read after the claim took
-
-
-def _runnable_batches() -> Any:
-    """Batches whose items may run: not finished, not being cancelled, not past their window. Used as a
-    subquery on batch_id so the item's own conditions stay on the UPDATE itself: PostgreSQL re-checks those
-    after waiting for a row lock (a cancel that just stopped the item), but not conditions inside a subquery."""
-    return Batch.objects.filter(cancelling_at__isnull=True, expired_at__isnull=True).exclude(
-        status__in=Batch.TERMINAL).values("pk")
 
 
 def _takeable(now: datetime) -> Q:
@@ -358,13 +350,9 @@ def claim(item_id: int) -> ClaimResult:
     now = _now()
     token = uuid.uuid4().hex
     lease = now + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
-    taken = Item.objects.filter(_takeable(now), pk=item_id, attempts__lt=settings.HEARTH_BATCH_MAX_ATTEMPTS,
-                                batch_id__in=_runnable_batches()).update(
-        status=ItemStatus.RUNNING, claim_token=token, lease_until=lease, attempts=F("attempts") + 1,
-        started_at=Coalesce("started_at", Value(now)))
-    if taken:
+    if item_sql.take(item_id, token, now, lease, settings.HEARTH_BATCH_MAX_ATTEMPTS):
         item = Item.objects.select_related("batch").get(pk=item_id)
-        return ClaimResult(claim=Claim(item_id, item.batch_id, token), item=item)
+        return ClaimResult(claim=Claim(item_id, item.batch_id, token, item.batch), item=item)
     return _not_taken(item_id, now)
 
 
@@ -459,17 +447,16 @@ def finish(c: Claim, outcome: Outcome) -> bool:
     usage = outcome.usage
     counter = {ItemStatus.SUCCEEDED: "completed_count", ItemStatus.FAILED: "failed_count"}.get(
         outcome.status, "cancelled_count")
+    batch = c.batch
     with transaction.atomic():
-        written = Item.objects.filter(pk=c.item_id, status=ItemStatus.RUNNING, claim_token=c.token).update(
-            status=outcome.status, response=outcome.response, error=outcome.error, finished_at=now,
-            lease_until=None, input_tokens=usage.input_tokens if usage else 0,
-            cached_input_tokens=usage.cached_input_tokens if usage else 0,
-            output_tokens=usage.output_tokens if usage else 0)
+        written = item_sql.store_result(c.item_id, c.token, {
+            "status": outcome.status, "response": outcome.response, "error": outcome.error, "finished_at": now,
+            "lease_until": None, "input_tokens": usage.input_tokens if usage else 0,
+            "cached_input_tokens": usage.cached_input_tokens if usage else 0,
+            "output_tokens": usage.output_tokens if usage else 0})
         if not written:
             return False
-        Batch.objects.filter(pk=c.batch_id).update(**{counter: F(counter) + 1})
-        # Read under the row lock the update took: the last of several finishers sees every count.
-        batch = Batch.objects.get(pk=c.batch_id)
+        item_sql.count_finished(batch, counter)
         if usage is not None:
             entry = get_model(usage.model)
             # Priced as of the batch's arrival, like an interactive request's; the event lands when it ran.

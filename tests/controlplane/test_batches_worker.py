@@ -95,6 +95,26 @@ def test_claims_are_exclusive_and_a_result_is_written_once(tenant):
 
 
 @pytest.mark.django_db
+def test_a_finish_reads_back_every_count_and_a_stopping_batch_lends_no_item(tenant):
+    batch = native_batch(tenant, 3)
+    first, second, third = Item.objects.filter(batch=batch).order_by("index")
+    a, b = services.claim(first.pk).claim, services.claim(second.pk).claim
+    # Another worker's count lands between this claim and its finish: the finish sees it.
+    assert services.finish(b, services.Outcome(Item.Status.FAILED, error={"message": "no"}))
+    assert services.finish(a, services.Outcome(Item.Status.SUCCEEDED, response={"response": "ok"}))
+    assert (a.batch.completed_count, a.batch.failed_count, a.batch.pending_count) == (1, 1, 1)
+    item = Item.objects.get(pk=first.pk)
+    assert (item.status, item.response, item.error, item.lease_until) == ("succeeded", {"response": "ok"}, None,
+                                                                           None)
+    assert item.finished_at is not None and item.started_at <= item.finished_at
+    assert Item.objects.get(pk=second.pk).error == {"message": "no"}
+    # A batch being cancelled lends no more items (the claim's condition on the batch row): the item ends.
+    Batch.objects.filter(pk=batch.pk).update(cancelling_at=timezone.now())
+    assert services.claim(third.pk) == services.ClaimResult()
+    assert Item.objects.get(pk=third.pk).status == "cancelled"
+
+
+@pytest.mark.django_db
 def test_the_dispatch_window_refills_in_chunks_and_every_item_is_sent_once(tenant, settings):
     settings.HEARTH_BATCH_WINDOW = 16  # refills once two slots are free
     batch = native_batch(tenant, 40)
