@@ -1,4 +1,4 @@
-"""The two statements every batch item runs, its claim and its result, as SQL built once per process.
+"""The statements every batch item runs, its claim and its result (with its batch's count), as SQL built once per process.
 
 The embedded worker shares its process, and so the interpreter lock and the cores, with the engine whose steps
 it feeds: each millisecond an item's bookkeeping spends in Python is taken from the engine's steps (measured: a
