@@ -118,7 +118,10 @@ TEMPLATES = [
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("DB_CONN_MAX_AGE", 0))}
+    # Health checks: a connection kept between tasks (batch worker threads) or requests (DB_CONN_MAX_AGE) is
+    # tested before its first query, so one the server dropped is replaced instead of failing the work.
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("DB_CONN_MAX_AGE", 0),
+                                                  conn_health_checks=True)}
 else:
     DATABASES = {
         "default": {
@@ -183,6 +186,10 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Celery's Django fixup closes the database connection around every task unless it may reuse it; a worker
+# thread keeps its connection (batches/tasks.py says how long, and drops a broken one), and the fixup then
+# closes it only once every this many tasks.
+CELERY_DB_REUSE_MAX = 1000
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
     "hearth-batches-sweep": {"task": "batches.sweep", "schedule": float(env_int("HEARTH_BATCH_SWEEP_SECONDS", 30))},

@@ -83,6 +83,7 @@ class EmbeddedWorker:
             if self._stopping:
                 return
             log.error("the embedded batch worker stopped unexpectedly; starting a fresh one")
+            _end_pool_threads(self.worker, RESTART_DELAY_S * 10)
             time.sleep(RESTART_DELAY_S)  # a broker that fails at once is not hammered
             with self._lock:
                 if self._stopping:
@@ -100,9 +101,27 @@ class EmbeddedWorker:
         if worker is not None:
             # Cold: items in flight stay unacknowledged (and leased) and are run again after a restart.
             worker.terminate()
+            _end_pool_threads(worker, timeout)
             if self._thread is not None:
                 self._thread.join(timeout)
             self.worker = None
+
+
+def _end_pool_threads(worker: Any, timeout: float) -> None:
+    """End a stopped worker's pool threads (each once its current task is done, waiting up to `timeout`) and
+    close the database connections they kept between tasks (tasks.py). Terminating a thread pool leaves its idle
+    threads waiting for work forever, each with its connection: on PostgreSQL, server sessions that nothing
+    would close until the process exits."""
+    from controlplane.batches.tasks import close_connections_of_ended_threads
+
+    executor = getattr(getattr(worker, "pool", None), "executor", None)
+    if executor is not None:
+        # shutdown(wait=True) has no timeout of its own: a task still running must not hold up the stop.
+        ender = threading.Thread(target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                 name="hearth-batch-pool-end", daemon=True)
+        ender.start()
+        ender.join(timeout)
+    close_connections_of_ended_threads()
 
 
 _embedded: EmbeddedWorker | None = None

@@ -364,3 +364,40 @@ def test_progress_events_reach_a_subscriber_on_the_redis_channel_layer(tenant, b
     assert mine and all(e["type"] == "batch.progress" for e in mine)
     assert [e["completed"] for e in mine] == sorted(e["completed"] for e in mine)
     assert mine[-1]["status"] == "completed" and mine[-1]["completed"] == 3 and mine[-1]["total"] == 3
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.real_model
+@pytest.mark.redis
+def test_a_worker_thread_keeps_its_connection_and_replaces_one_the_server_ended(tenant, batch_worker):
+    from collections import Counter
+
+    from django.db import connection
+    from django.db.backends.signals import connection_created
+
+    opened: Counter[int] = Counter()  # connections opened, by thread (none by this test's own thread counted)
+
+    def count(sender, connection, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            opened[threading.get_ident()] += 1
+
+    connection_created.connect(count, weak=False)
+    try:
+        # 12 items (and the batch's preparation) on 4 threads: with a connection per task some thread opens several.
+        done = wait_batch(native_batch(tenant, 12).pk)
+        assert (done.status, done.completed_count, done.failed_count) == ("completed", 12, 0)
+        assert all(n == 1 for n in opened.values()), dict(opened)
+        if connection.vendor != "postgresql":
+            return
+        # The server ends every other session on this database (a restart, an idle timeout): the kept
+        # connections are found dead before their first query, and no item is lost or waits for the sweep.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                           "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            assert cursor.fetchone()[0] >= 1
+        batch = native_batch(tenant, 4)
+        done = wait_batch(batch.pk, timeout=30)
+        assert (done.status, done.completed_count, done.failed_count) == ("completed", 4, 0)
+        assert list(Item.objects.filter(batch=batch).values_list("attempts", flat=True)) == [1, 1, 1, 1]
+    finally:
+        connection_created.disconnect(count)
