@@ -63,15 +63,16 @@ def close_connections_of_ended_threads() -> int:
 
 
 @task_prerun.connect
-def _task_starts(**kwargs: Any) -> None:
+def _task_starts(task: Any = None, **kwargs: Any) -> None:
     # Drop broken or expired connections around each task, as Django does around each request.
     close_old_connections()
-    _in_task.active = True
+    # Only a worker's own threads keep what they open: an eager task runs in its caller's thread (a request's).
+    _in_task.active = not getattr(getattr(task, "request", None), "is_eager", False)
 
 
 @task_postrun.connect
 def _task_ends(**kwargs: Any) -> None:
-    _in_task.active = False  # an eager task runs in its caller's thread: only connections a task opens live on
+    _in_task.active = False  # only connections a task opens live on, not what its thread opens later
     close_old_connections()
 
 

@@ -366,6 +366,31 @@ def test_progress_events_reach_a_subscriber_on_the_redis_channel_layer(tenant, b
     assert mine[-1]["status"] == "completed" and mine[-1]["completed"] == 3 and mine[-1]["total"] == 3
 
 
+@pytest.mark.django_db
+def test_a_connection_kept_by_a_worker_thread_that_ended_is_closed():
+    from celery.signals import task_postrun, task_prerun
+    from django.db import connections
+
+    kept = []
+
+    def pool_thread():
+        # What a pool thread does: a task starts, opens a connection, ends; the connection stays open.
+        task_prerun.send(sender=tasks.sweep, task_id="t", task=tasks.sweep, args=(), kwargs={})
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SELECT 1")
+        task_postrun.send(sender=tasks.sweep, task_id="t", task=tasks.sweep, args=(), kwargs={}, retval=None,
+                          state="SUCCESS")
+        kept.append(connections["default"])
+
+    thread = threading.Thread(target=pool_thread)
+    thread.start()
+    thread.join()
+    assert kept and kept[0].connection is not None  # kept beyond its task, and its thread is gone
+    assert tasks.close_connections_of_ended_threads() >= 1
+    assert kept[0].connection is None
+    assert tasks.close_connections_of_ended_threads() == 0
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.real_model
 @pytest.mark.redis
