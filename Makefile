@@ -54,6 +54,12 @@ bench: models
 # What a lent CUDA machine needs from here (benchmarks/gpu.sh): the wheels the engine needs beyond that machine's
 # Python (3.12, with torch, Triton and transformers) and the models' files minus their weights. Carry `.gpu`.
 GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection pytest-asyncio
+GPU_FLEET_WHEELS := grpcio-reflection==1.84.0 ray==$(shell $(PY) -c 'import importlib.metadata as m; print(m.version("ray"))' 2>/dev/null) \
+	aiohttp-cors colorful distlib fastapi google-api-core google-auth googleapis-common-protos \
+	httptools jsonschema jsonschema-specifications mmh3 opencensus opencensus-context opentelemetry-api \
+	opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk opentelemetry-semantic-conventions \
+	platformdirs proto-plus pyasn1 pyasn1-modules python-discovery python-dotenv referencing rpds-py smart-open \
+	starlette uvicorn watchfiles websockets
 gpu-pack: models
 	rm -rf .gpu && mkdir -p .gpu/whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -61,6 +67,14 @@ gpu-pack: models
 		-d .gpu/whl $(GPU_WHEELS)
 	$(PY) -m benchmarks.random_models pack .gpu/models @hearth/smollm2-135m-instruct \
 		@hearth/qwen2.5-coder-0.5b-instruct
+	# The fleet step (1 vs 4 CPU replicas on the device's 16 cores): Ray Serve and what it imports that the
+	# device's Python lacks. Ray's wheel (79 MB) is slimmed to what Serve runs, or it would not travel.
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .gpu/ray $(GPU_FLEET_WHEELS)
+	$(PY) -m benchmarks.slim_wheel .gpu/ray/ray-*.whl .gpu/fleet 'ray/jars/*' 'ray/rllib/*' 'ray/tune/*' \
+		'ray/train/*' 'ray/data/*' 'ray/llm/*' 'ray/air/*' 'ray/workflow/*' '*.js.map'
+	rm .gpu/ray/ray-*.whl && mv .gpu/ray/*.whl .gpu/fleet/ && rm -rf .gpu/ray
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -12,6 +12,9 @@
 #     kv       python -m benchmarks.kv --throughput-only --quick (1x, 8x, 64x at a fixed KV pool)
 #     spec     python -m benchmarks.speculation --step-grid (step time, 1-64 sequences x 0-8 drafts)
 #     lora     python -m benchmarks.lora (32 requests over 8 adapters against the base model)
+#     fleet    python -m benchmarks.fleet_scaling: 1 vs 4 CPU engine replicas on Ray Serve, on the host's 16 cores
+#              (needs .gpu/fleet, Ray Serve's wheels; carry .gpu/whl, .gpu/fleet and the one model it uses:
+#              all of .gpu is over the 64 MiB that travel)
 #
 # Each step runs under its own time limit, so one that hangs cannot eat the call; its end is printed as it finishes
 # and every log goes into $OUT/logs.tgz (refreshed after each step). The limits add up to more than one call may
@@ -24,7 +27,10 @@ rm -rf "$logs" && mkdir -p "$logs"
 [ $# -gt 0 ] && steps=("$@") || steps=(host kernels engine tests)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
+if [[ " ${steps[*]} " =~ \ fleet\  ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/fleet/*.whl || exit 1
+fi
 export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -c 'import torch, triton, transformers, xgrammar; print("torch", torch.__version__, "triton", triton.__version__,
 "transformers", transformers.__version__, "xgrammar imports", xgrammar.Grammar is not None, "cpus", __import__("os").cpu_count())'
@@ -36,7 +42,7 @@ mkdir -p "$tests_data" && cp .gpu/models/smollm2-135m-instruct/tokenizer*.json "
 # than a test's time limit there.
 HEARTH_DATA_DIR=/tmp/hearth-tests timeout 300 python3 -m kernels.cpu_build
 bench_data=/tmp/hearth-bench
-if [[ " ${steps[*]} " =~ \ (engine|qwen|kv|spec|lora)\  ]]; then
+if [[ " ${steps[*]} " =~ \ (engine|qwen|kv|spec|lora|fleet)\  ]]; then
     python3 -m benchmarks.random_models unpack .gpu/models "$bench_data" || exit 1
 fi
 
@@ -65,6 +71,9 @@ for s in "${steps[@]}"; do
         spec) HEARTH_DATA_DIR=$bench_data step spec 45 python3 -m benchmarks.speculation \
                   --step-grid @hearth/qwen2.5-coder-0.5b-instruct ;;
         lora) HEARTH_DATA_DIR=$bench_data step lora 60 python3 -m benchmarks.lora ;;
+        fleet) HEARTH_DATA_DIR=$bench_data step fleet 300 python3 -m benchmarks.fleet_scaling --replicas 1 4 \
+                   --rounds 2 --requests 128 --max-tokens 32
+               cp -r /tmp/ray/session_latest/logs/serve "$logs/ray-serve" 2>/dev/null ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done

@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
 
-    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora|constrained|fleet|cpu_peers|decode_layer|cpu_attention|cpu_gemm|quant] [--quick]
+    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora|constrained|fleet|fleet_scaling|cpu_peers|decode_layer|cpu_attention|cpu_gemm|quant] [--quick]
 
 Each benchmark runs in its own process so one's memory and threads never colour another's figures.
 """
@@ -24,6 +24,7 @@ SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative 
             "lora": "LoRA adapters: many in one batch (CPU)",
             "constrained": "Grammar-constrained decoding (CPU)",
             "fleet": "Fleet: replicas on Ray Serve and the request router (CPU)",
+            "fleet_scaling": "Fleet: 4 CPU replicas against one",
             "cpu_peers": "CPU engines side by side: Hearth, vLLM's CPU backend, transformers",
             "decode_layer": "One-call decode layers against the Python forward (CPU)",
             "cpu_attention": "CPU attention kernels against the torch references",
