@@ -8,7 +8,8 @@
 2. Throughput: GET /v1/models with a Bearer key against uvicorn started here, driven by `wrk` on loopback
    (an asyncio httpx load generator when wrk is not installed). Goal: >= 300 requests/s.
 
-Run: python -m benchmarks.api   (uses a throwaway SQLite database; models must be installed)
+Run: python -m benchmarks.api   (uses a throwaway SQLite database; models must be installed). With DATABASE_URL
+set it runs on that database instead: give it a scratch PostgreSQL database (`createdb hearth_bench`).
 """
 
 from __future__ import annotations

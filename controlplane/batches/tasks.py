@@ -26,7 +26,8 @@ MAX_BACKOFF_S = 60.0
 # database connection for every task: on SQLite about 2 ms of CPU, eight times a query on an open one, and in
 # the in-process worker that CPU is taken from the engine's step loop. A connection a task opens lives this long
 # (and Celery's Django fixup closes it every CELERY_DB_REUSE_MAX tasks); a broken one is dropped after the task,
-# and on PostgreSQL a kept one is checked before its first query (CONN_HEALTH_CHECKS).
+# and on PostgreSQL a kept one is checked before its first query (CONN_HEALTH_CHECKS). PostgreSQL's sessions are
+# pooled by default (settings: DB_POOL), and a pooled connection is not kept: its task gives it back.
 WORKER_CONN_MAX_AGE_S = 300.0
 _in_task = threading.local()
 # Each kept connection and the thread it belongs to. A thread that ends cannot close its connection, and a
@@ -37,6 +38,10 @@ _kept_lock = threading.Lock()
 
 @receiver(connection_created)
 def _keep_worker_connection(sender: type, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    # A pooled connection goes back to the pool after its task (a checkout is cheap), so no thread holds one the
+    # others could use.
+    if getattr(connection, "pool", None) is not None:
+        return
     if getattr(_in_task, "active", False) and connection.close_at is not None:
         connection.close_at = max(connection.close_at, time.monotonic() + WORKER_CONN_MAX_AGE_S)
         with _kept_lock:
