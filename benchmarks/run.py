@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
 
-    python -m benchmarks.run [--only engine|speculation|api|batch|kv|kernels|dashboard|lora|constrained|fleet|fleet_scaling|cpu_peers|decode_layer|cpu_attention|cpu_gemm|quant] [--quick]
+    python -m benchmarks.run [--only engine|speculation|api|db_pool|batch|kv|kernels|dashboard|lora|constrained|fleet|fleet_scaling|cpu_peers|decode_layer|cpu_attention|cpu_gemm|quant] [--quick]
 
 Each benchmark runs in its own process so one's memory and threads never colour another's figures.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative decoding (CPU)",
-            "api": "Control plane API", "batch": "Batches: interactive latency and batch throughput",
+            "api": "Control plane API", "db_pool": "PostgreSQL's session pool: request latency",
+"batch": "Batches: interactive latency and batch throughput",
             "kv": "KV-cache compression (CPU)", "dashboard": "Dashboard pages with 1,000,000 usage events",
             "lora": "LoRA adapters: many in one batch (CPU)",
             "constrained": "Grammar-constrained decoding (CPU)",
