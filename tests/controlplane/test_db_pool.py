@@ -26,6 +26,9 @@ def test_requests_share_pooled_sessions_and_a_session_the_server_ended_is_replac
         if threading.current_thread() is not threading.main_thread():
             sessions.append(connection.connection.info.backend_pid)
 
+    with connection.cursor() as cursor:  # the sessions this database has before the requests
+        cursor.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+        before = {pid for (pid,) in cursor.fetchall()}
     connection_created.connect(record, weak=False)
     try:
         for i in range(8):
@@ -33,8 +36,9 @@ def test_requests_share_pooled_sessions_and_a_session_the_server_ended_is_replac
                                   json={"prompt": f"Say {i}.", "max_tokens": 1, "temperature": 0})
             assert response.status_code == 200, response.text
         wait_for_events(8)
-        # Sequential requests: a pool of two (its min_size) or three sessions serves them all.
-        assert len(sessions) >= 8 and len(set(sessions)) <= 3, sessions
+        # Each request took a session, and the server started at most two new ones for all of them (the pool
+        # lends its idle sessions in turn, so several that other tests left there may serve).
+        assert len(sessions) >= 8 and len(set(sessions) - before) <= 2, (sessions, before)
 
         # The server ends every other session on this database (a restart, an idle timeout): the pool tests a
         # session before lending it, so the next requests get a fresh one instead of an error.
