@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -83,15 +84,18 @@ def batch_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def run_claimed(claim: Claim, item: Item, batch: Batch) -> Outcome:
+def run_claimed(claim: Claim, item: Item, batch: Batch, *, idle: Callable[[], None] | None = None) -> Outcome:
     """Run the item to its outcome, renewing the lease every third of it. Raises Busy (give it back and retry)
-    or LeaseLost; a batch cancelled or expired meanwhile stops the work (outcome `cancelled`)."""
+    or LeaseLost; a batch cancelled or expired meanwhile stops the work (outcome `cancelled`). `idle` is called
+    each time this thread starts waiting on the engine (the caller gives back what it need not hold meanwhile)."""
     checked = plan(item, batch)
     if isinstance(checked, Outcome):
         return checked
     future = asyncio.run_coroutine_threadsafe(_run(checked), batch_loop())
     every = max(0.2, settings.HEARTH_BATCH_LEASE_SECONDS / 3)
     while True:
+        if idle is not None:
+            idle()
         try:
             return future.result(timeout=every)
         except concurrent.futures.TimeoutError:

@@ -423,6 +423,9 @@ def test_worker_tasks_reuse_database_connections_and_replace_one_the_server_ende
         # worker thread, far fewer than the tasks took.
         started = pool.get_stats().get("connections_num", 0) - sessions_before
         assert started <= len(opened) < sum(opened.values()), (started, dict(opened))
+        # And a task gives its session back while the engine works on its item: it takes one for the claim
+        # and another for the result, so the threads waiting on the engine hold none.
+        assert sum(opened.values()) >= 2 * 12, dict(opened)
         # The server ends every other session on this database (a restart, an idle timeout): the pool finds
         # them dead before lending them, and no item is lost or waits for the sweep.
         with connection.cursor() as cursor:
