@@ -15,6 +15,7 @@ set it runs on that database instead: give it a scratch PostgreSQL database (`cr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +182,13 @@ async def _httpx_load(url: str, secret: str) -> dict[str, Any]:
             "p50_ms": statistics.median(latencies) * 1000, "errors": errors}
 
 
-def _throughput(db_path: Path, secret: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def uvicorn_server(env: dict[str, str]) -> Iterator[str]:
+    """The control plane under uvicorn on a free loopback port, in its own process with `env`: its base URL once
+    /healthz answers; stopped on leaving."""
     import httpx
 
     port = _free_port()
-    env = {**os.environ, "HEARTH_SQLITE_PATH": str(db_path)}
     server = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1", "--port",
          str(port), "--no-access-log", "--log-level", "warning"], cwd=REPO, env=env)
@@ -200,6 +204,16 @@ def _throughput(db_path: Path, secret: str) -> dict[str, Any]:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _throughput(db_path: Path, secret: str) -> dict[str, Any]:
+    import httpx
+
+    with uvicorn_server({**os.environ, "HEARTH_SQLITE_PATH": str(db_path)}) as base:
         url = f"{base}/v1/models"
         check = httpx.get(url, headers={"Authorization": f"Bearer {secret}"})
         check.raise_for_status()
@@ -210,9 +224,6 @@ def _throughput(db_path: Path, secret: str) -> dict[str, Any]:
         result["models_listed"] = len(check.json()["data"])
         result["load_average_before"] = load_before
         return result
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 def run() -> dict[str, Any]:

@@ -15,7 +15,6 @@ It needs a scratch PostgreSQL database (`createdb hearth_bench`; it is migrated 
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,12 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/hearth_bench"
 ROUNDS = 3
 REQUESTS = 200
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prepare(url: str) -> tuple[str, str] | str:
@@ -54,39 +47,23 @@ def _prepare(url: str) -> tuple[str, str] | str:
 def _round(url: str, pool: str, account: str, secret: str) -> dict[str, float]:
     import httpx
 
-    port = _free_port()
+    from benchmarks.api import uvicorn_server
+
     env = {**os.environ, "DATABASE_URL": url, "DB_POOL": pool, "HEARTH_BATCH_WORKER": "off"}
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(port),
-                               "--no-access-log", "--log-level", "warning"], cwd=REPO, env=env,
-                              stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    routes = {"/v1/models": "/v1/models", "native model search": f"/client/v4/accounts/{account}/ai/models/search",
+              "/v1/batches": "/v1/batches"}
     medians: dict[str, float] = {}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.2)
-        routes = {"/v1/models": "/v1/models", "native model search": f"/client/v4/accounts/{account}/ai/models/search",
-                  "/v1/batches": "/v1/batches"}
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {secret}"}, timeout=30) as client:
-            for name, path in routes.items():
-                for _ in range(20):  # the key's context cached, the pool filled, the code paths warm
-                    client.get(path).raise_for_status()
-                times = []
-                for _ in range(REQUESTS):
-                    started = time.perf_counter()
-                    client.get(path).raise_for_status()
-                    times.append((time.perf_counter() - started) * 1000)
-                medians[name] = statistics.median(times)
-    finally:
-        server.terminate()
-        server.wait(10)
+    with uvicorn_server(env) as base, httpx.Client(base_url=base, timeout=30,
+                                                   headers={"Authorization": f"Bearer {secret}"}) as client:
+        for name, path in routes.items():
+            for _ in range(20):  # the key's context cached, the pool filled, the code paths warm
+                client.get(path).raise_for_status()
+            times = []
+            for _ in range(REQUESTS):
+                started = time.perf_counter()
+                client.get(path).raise_for_status()
+                times.append((time.perf_counter() - started) * 1000)
+            medians[name] = statistics.median(times)
     return medians
 
 
