@@ -52,7 +52,8 @@ bench: models
 	$(PY) -m benchmarks.run
 
 # What a lent CUDA machine needs from here (benchmarks/gpu.sh): the wheels the engine needs beyond that machine's
-# Python (3.12, with torch, Triton and transformers) and the models' files minus their weights. Carry `.gpu`.
+# Python (3.12, with torch, Triton and transformers) and the models' files minus their weights. Carry `.gpu/whl` and
+# `.gpu/models` (all of `.gpu`, with the fleet's wheels, is over the 64 MiB that travel).
 GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection pytest-asyncio
 GPU_FLEET_WHEELS := grpcio-reflection==1.84.0 ray==$(shell $(PY) -c 'import importlib.metadata as m; print(m.version("ray"))' 2>/dev/null) \
 	aiohttp-cors colorful distlib fastapi google-api-core google-auth googleapis-common-protos \

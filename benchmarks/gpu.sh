@@ -2,7 +2,8 @@
 # Hearth on a lent CUDA machine in one call. Its Python has torch, Triton and transformers but not Hearth's other
 # dependencies; nothing can be fetched there and only 64 MiB of the working tree travel. So `make gpu-pack` fills
 # .gpu/ here first (the few wheels the engine needs beyond that Python, and each model's files minus its weights)
-# and the call carries `.gpu`; the models get random weights there (benchmarks/random_models.py).
+# and the call carries `.gpu/whl` and `.gpu/models` (all of `.gpu`, with the fleet's wheels, is over 64 MiB); the
+# models get random weights there (benchmarks/random_models.py).
 #
 #   bash benchmarks/gpu.sh [STEP ...]      default: host kernels engine tests
 #     host     python -m benchmarks.host_probe (CPU quota, Python and launch speed, the CPU GEMM at 1-16 threads)
