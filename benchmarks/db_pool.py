@@ -7,9 +7,11 @@ sequential requests (one client, one connection) on three routes: two that read 
 the key's context is cached (`/v1/models`, the native model search) and one that does on every call
 (`/v1/batches`, the tenant's batches).
 
-    DATABASE_URL=postgres://postgres@127.0.0.1:5432/hearth_bench python -m benchmarks.db_pool
+    HEARTH_BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5432/hearth_bench python -m benchmarks.db_pool
 
-It needs a scratch PostgreSQL database (`createdb hearth_bench`; it is migrated here) and says so without one.
+It needs a scratch PostgreSQL database (`createdb hearth_bench`; it is migrated and written to here) and says so
+without one. It reads its own variable, never DATABASE_URL: `make bench` in an environment set up for a real
+control plane must not write benchmark accounts into that database.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _round(url: str, pool: str, account: str, secret: str) -> dict[str, float]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    url = os.environ.get("DATABASE_URL") or DEFAULT_URL
+    url = os.environ.get("HEARTH_BENCH_DATABASE_URL") or DEFAULT_URL
     prepared = _prepare(url)
     if isinstance(prepared, str):
         return {"skipped": prepared}
