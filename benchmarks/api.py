@@ -9,7 +9,8 @@
    (an asyncio httpx load generator when wrk is not installed). Goal: >= 300 requests/s.
 
 Run: python -m benchmarks.api   (uses a throwaway SQLite database; models must be installed). With DATABASE_URL
-set it runs on that database instead: give it a scratch PostgreSQL database (`createdb hearth_bench`).
+set it runs on that database instead, and writes to it: give it a scratch PostgreSQL database
+(`createdb hearth_bench`), and unset a DATABASE_URL that names a real control plane's database.
 """
 
 from __future__ import annotations
