@@ -48,6 +48,8 @@ def _library() -> ctypes.CDLL | None:
         lib.hearth_gemv_i8_bf16_pairs.restype = None
         for fn in (lib.hearth_i8_block_width, lib.hearth_i8_bf16_pairs):
             fn.argtypes, fn.restype = [], ctypes.c_int64
+        # read once: `linear` compares it with each weight's block on every call
+        lib.block_width = int(lib.hearth_i8_block_width())
     return lib
 
 
@@ -105,9 +107,11 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
     """x [..., k] @ (scale * q)^T + bias, in x's dtype (bias in x's dtype too): fp32 sums, each output rounded
     once."""
     lib = _library()
-    # Weights in pairs take bf16 x, and only from a build that has the dot product (the library a process
-    # loads never changes, but a test may load the AVX2 build after packing for the native one).
+    # Weights in pairs take bf16 x, and only from a build that has the dot product; and the blocks must be this
+    # build's width (the library a process loads never changes, but a test may load the AVX2 build, 16 wide,
+    # after packing 32 wide for an AVX-512 one).
     if not weight.block or lib is None or x.device.type != "cpu" or x.dtype not in DTYPES \
+            or weight.block != lib.block_width \
             or (weight.pairs and (x.dtype != torch.bfloat16 or not lib.hearth_i8_bf16_pairs())):
         return linear_ref(x, weight.unpacked(), weight.scale, bias)
     lead = x.shape[:-1]
