@@ -126,7 +126,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                              "ratio": statistics.median(ratios) if ratios else None,
                              "ratio_range": [min(ratios), max(ratios)] if ratios else None})
     return {"rows": rows, "pairs": pairs, "threads": threads, "new_tokens": new_tokens, "flags": ", ".join(flags),
-            "peer": bool(peer), "bandwidth_gbs": statistics.median(bandwidths)}
+            "peer": bool(peer), "bandwidth_gbs": statistics.median(bandwidths),
+            "malloc": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -135,6 +136,9 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [f"Greedy, {r['new_tokens']} output tokens, {r['threads']} threads; CPU flags: {r['flags']}; "
              f"{r['pairs']} alternating pairs of fresh processes, medians (ratio: median of the per-pair ratios, "
              f"range in brackets). Engines: {', '.join(sorted(set(versions.values())))}.", ""]
+    # Every engine's process inherits the allocator's settings (`make bench` sets those `make run` serves with).
+    lines += [f"Allocator (every engine's process): GLIBC_TUNABLES={r['malloc']}." if r.get("malloc") else
+              "Allocator: glibc's defaults (GLIBC_TUNABLES unset; `make bench` sets it as `make run` does).", ""]
     if not r["peer"]:
         lines += ["vLLM's CPU venv was not found (VLLM_PYTHON), so Hearth runs alone here.", ""]
     bandwidth = r.get("bandwidth_gbs")
