@@ -7,9 +7,11 @@ export HEARTH_DATA_DIR ?= $(CURDIR)/.data
 # glibc's allocator keeps what the engine frees instead of handing it back to the kernel and faulting it in, zeroed,
 # again on the next step (large buffers came from fresh mmaps, and the heap was trimmed). Qwen2.5-0.5B fp32, 32
 # concurrent requests: 6x fewer page faults, 1.4-2.2% more tokens/s (docs/benchmarks.md, "CPU engines side by
-# side"). Every process of `make run`, `make cluster`, `make bench` and `make test` starts with it; set
-# GLIBC_TUNABLES yourself to replace it.
-export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296:glibc.malloc.top_pad=268435456
+# side"). `make run`, `make cluster` and `make bench` start their processes with it (GLIBC_TUNABLES set in the
+# environment replaces it); not `make test`, whose one process loads and drops dozens of models and would keep
+# the most memory it ever held.
+MALLOC_TUNABLES := glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296:glibc.malloc.top_pad=268435456
+WITH_MALLOC = GLIBC_TUNABLES=$${GLIBC_TUNABLES:-$(MALLOC_TUNABLES)}
 
 .PHONY: install models models-extra run cluster test test-full bench gpu-pack lint clean
 
@@ -37,7 +39,7 @@ run: models
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py seed_catalog
 	$(PY) manage.py bootstrap_demo
-	HEARTH_ENGINE=inprocess $(PY) -m uvicorn controlplane.asgi:application --host $(HOST) --port $(PORT)
+	$(WITH_MALLOC) HEARTH_ENGINE=inprocess $(PY) -m uvicorn controlplane.asgi:application --host $(HOST) --port $(PORT)
 
 # The fleet on one machine: a local Ray head, REPLICAS engine replicas per model behind Hearth's router, and
 # the control plane on them (HEARTH_ENGINE=ray). Ctrl-C or SIGTERM stops everything, Ray included.
@@ -46,7 +48,7 @@ cluster: models
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py seed_catalog
 	$(PY) manage.py bootstrap_demo
-	REPLICAS=$(REPLICAS) HOST=$(HOST) PORT=$(PORT) $(PY) manage.py cluster
+	$(WITH_MALLOC) REPLICAS=$(REPLICAS) HOST=$(HOST) PORT=$(PORT) $(PY) manage.py cluster
 
 test: models
 	bash .ci/test-suite
@@ -55,7 +57,7 @@ test-full: models
 	$(PY) -m pytest -q -m "" tests
 
 bench: models
-	$(PY) -m benchmarks.run
+	$(WITH_MALLOC) $(PY) -m benchmarks.run
 
 # What a lent CUDA machine needs from here (benchmarks/gpu.sh): the wheels the engine needs beyond that machine's
 # Python (3.12, with torch, Triton and transformers) and the models' files minus their weights. Carry `.gpu/whl` and
