@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HEARTH_DATA_DIR ?= $(CURDIR)/.data
 # glibc's allocator keeps what the engine frees instead of handing it back to the kernel and faulting it in, zeroed,
-# again on the next step (large buffers came from fresh mmaps, and the heap was trimmed). Qwen2.5-0.5B fp32, 32
+# again on the next step (by default large buffers are mapped fresh and a free heap top is trimmed). Qwen2.5-0.5B fp32, 32
 # concurrent requests: 6x fewer page faults, 1.4-2.2% more tokens/s (docs/benchmarks.md, "CPU engines side by
 # side"). Every process of `make run`, `make cluster`, `make bench` and `make test` starts with it; set
 # GLIBC_TUNABLES yourself to replace it. The suite's processes peaked no higher with it (largest 10.5 GB against
