@@ -12,7 +12,7 @@ from decimal import Decimal
 
 import pytest
 from asgiref.sync import async_to_sync
-from cp_support import CHAT_MODEL
+from cp_support import CHAT_MODEL, redis_url
 from django.test import override_settings
 from django.utils import timezone
 
@@ -237,7 +237,7 @@ def test_count_updates_are_throttled_but_status_changes_always_go_out(db, tenant
     from channels.layers import get_channel_layer
 
     layer_settings = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                                  "CONFIG": {"hosts": ["redis://127.0.0.1:6379/13"]}}}
+                                  "CONFIG": {"hosts": [redis_url(1)]}}}
     batch = native_batch(tenant, 3)
     with override_settings(CHANNEL_LAYERS=layer_settings):
         layer = get_channel_layer()
@@ -352,7 +352,7 @@ def test_progress_events_reach_a_subscriber_on_the_redis_channel_layer(tenant, b
     from channels.layers import get_channel_layer
 
     layer_settings = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                                  "CONFIG": {"hosts": ["redis://127.0.0.1:6379/13"]}}}
+                                  "CONFIG": {"hosts": [redis_url(1)]}}}
     with override_settings(CHANNEL_LAYERS=layer_settings):
         layer = get_channel_layer()
         channel = async_to_sync(layer.new_channel)()

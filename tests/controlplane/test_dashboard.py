@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
-from cp_support import CHAT_MODEL
+from cp_support import CHAT_MODEL, redis_url
 from django.contrib.auth import get_user_model
 from django.test import Client, override_settings
 from django.utils import timezone
@@ -266,7 +266,7 @@ def test_live_updates_cross_processes_on_the_redis_channel_layer(tenant):
     if not redis_up():
         pytest.skip("Redis is not reachable on 127.0.0.1:6379")
     layers = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                          "CONFIG": {"hosts": ["redis://127.0.0.1:6379/0"], "prefix": "hearth-test-dashboard"}}}
+                          "CONFIG": {"hosts": [redis_url(0)], "prefix": "hearth-test-dashboard"}}}
     from channels.layers import channel_layers
 
     with override_settings(CHANNEL_LAYERS=layers):

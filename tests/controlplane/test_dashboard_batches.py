@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
-from cp_support import CHAT_MODEL
+from cp_support import CHAT_MODEL, redis_url
 from django.contrib.auth import get_user_model
 from django.test import Client, override_settings
 from django.utils import timezone
@@ -360,7 +360,7 @@ def test_the_socket_forwards_progress_across_processes_on_the_redis_channel_laye
         pytest.skip("Redis is not reachable on 127.0.0.1:6379")
     settings.HEARTH_BATCH_WINDOW = 0
     layers = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                          "CONFIG": {"hosts": ["redis://127.0.0.1:6379/0"], "prefix": "hearth-test-batches"}}}
+                          "CONFIG": {"hosts": [redis_url(1)], "prefix": "hearth-test-batches"}}}
     user = member(tenant)
     with override_settings(CHANNEL_LAYERS=layers):
         channel_layers.backends.clear()

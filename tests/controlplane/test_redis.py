@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import redis
-from cp_support import CHAT_MODEL, make_tenant, seconds_left_in_minute
+from cp_support import CHAT_MODEL, make_tenant, redis_url, seconds_left_in_minute
 from django.core.cache import cache
 from django.test import override_settings
 
@@ -16,7 +16,7 @@ from controlplane.accounts.services import authenticate_key, revoke_key
 from controlplane.api.errors import ApiError
 from controlplane.usage import limits
 
-REDIS_URL = "redis://127.0.0.1:6379/15"
+REDIS_URL = redis_url(3)
 pytestmark = [pytest.mark.django_db, pytest.mark.redis]
 
 
