@@ -50,13 +50,18 @@ class _Model(ctypes.Structure):
                 + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)])
 
 
+MAX_PARTS = 3  # decode_layer.c's most sub-modules of a fused projection (q|k|v)
+
+
 class Adapter(ctypes.Structure):
-    _fields_ = [("shrink", Matrix), ("expand", Matrix)]
+    _fields_ = [("shrink", Matrix), ("expand", Matrix * MAX_PARTS), ("column", ctypes.c_int64 * MAX_PARTS),
+                ("parts", ctypes.c_int64)]
 
 
 class _Lora(ctypes.Structure):
     _fields_ = [("table", _c), ("layers", ctypes.c_int64), ("order", _c), ("spans", _c), ("n_spans", ctypes.c_int64),
-                ("xs", _c), ("mid", _c), ("delta", _c), ("mid_row", ctypes.c_int64), ("widened_row", ctypes.c_int64)]
+                ("xs", _c), ("mid", _c), ("delta", _c), ("mid_row", ctypes.c_int64), ("widened_row", ctypes.c_int64),
+                ("pieces", _c), ("rank", ctypes.c_int64)]
 
 
 class _Step(ctypes.Structure):
@@ -77,7 +82,8 @@ class AdapterTable:
         self.layers, self.dtype = layers, dtype
         self.entries = (Adapter * (slots * layers * len(PROJECTIONS)))()
         self.ready = [True] * slots  # whether every product of the slot's adapter runs here
-        self.widest = 0  # the most columns of any adapter's rank vector (k * r)
+        self.widest = 0  # the most columns of any adapter's rank vectors (k * r)
+        self.rank = 0  # the highest rank of any adapter
         self.widest_in = self.widest_out = 0  # the widest input and output of any adapted projection
         # What hearth_lora_add reads of a model: the activations' size and the GEMV's most rows (threads per call).
         self.model = _Model(elem=torch.finfo(dtype).bits // 8, gemv_rows=MAX_ROWS)
@@ -90,17 +96,42 @@ class AdapterTable:
             self.entries[i] = Adapter()
         self.ready[slot] = True
 
-    def set(self, slot: int, layer: int, projection: str, shrink: tuple, expand: tuple) -> None:
-        """One projection's products of the adapter in `slot`: each (kernel weight, bias), as `Linear.kernel_weight`
-        gives them, with whether that layer sends more rows to the GEMM; a product this file cannot run (or not
-        for every row count) leaves the slot to the Python forward."""
-        pair = [matrix(weight, bias, self.dtype, gemm) for weight, bias, gemm in (shrink, expand)]
-        if any(m is None or not m.many for m in pair):
+    def set(self, slot: int, layer: int, projection: str, shrink: tuple,
+            expands: list[tuple[int, tuple]]) -> None:
+        """One projection's products of the adapter in `slot` (kernels/lora.py's packed layout): the shrink and,
+        per sub-module it adapts, its first output column and expand; each product as (kernel weight, bias,
+        whether that layer sends more rows to the GEMM), `Linear.kernel_weight` and `Linear.gemm`. A product this
+        file cannot run (or not for every row count) leaves the slot to the Python forward."""
+        first = matrix(shrink[0], shrink[1], self.dtype, shrink[2])
+        parts = [matrix(weight, bias, self.dtype, gemm) for _, (weight, bias, gemm) in expands]
+        if not 0 < len(parts) <= MAX_PARTS or any(m is None or not m.many for m in (first, *parts)):
             self.ready[slot] = False
             return
-        self.entries[self._index(slot, layer, projection)] = Adapter(*pair)
-        self.widest = max(self.widest, pair[0].n)
-        self.widest_in, self.widest_out = max(self.widest_in, pair[0].k), max(self.widest_out, pair[1].n)
+        columns = [column for column, _ in expands]
+        self.entries[self._index(slot, layer, projection)] = Adapter(
+            first, (Matrix * MAX_PARTS)(*parts), (ctypes.c_int64 * MAX_PARTS)(*columns), len(parts))
+        self.widest = max(self.widest, first.n)
+        self.rank = max(self.rank, first.n // len(parts))
+        self.widest_in = max(self.widest_in, first.k)
+        self.widest_out = max(self.widest_out, *(c + m.n for c, m in zip(columns, parts, strict=True)))
+
+    def scratch(self, order: torch.Tensor, spans: torch.Tensor, widest_in: int, widest_out: int,
+                widened_row: int) -> tuple[_Lora, tuple]:
+        """The step's adapters as decode_layer.c reads them, with scratch for the rows that use one (inputs of
+        up to widest_in elements, outputs of up to widest_out), and what the struct points into."""
+        order = order.to(torch.int64).contiguous()
+        spans = spans.to(torch.int64).contiguous()
+        used = order.numel()
+        widths = (widest_in, self.widest, widest_out, self.rank)  # gathered rows, rank vectors, deltas, pieces
+        scratch = torch.empty(used * sum(widths), dtype=self.dtype)
+        pointers, offset = [], scratch.data_ptr()
+        for width in widths:
+            pointers.append(offset)
+            offset += used * width * self.model.elem
+        xs, mid, delta, pieces = pointers
+        struct = _Lora(ctypes.addressof(self.entries), self.layers, order.data_ptr(), spans.data_ptr(),
+                       spans.shape[0], xs, mid, delta, self.widest, widened_row, pieces, self.rank)
+        return struct, (order, spans, scratch, self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,17 +152,10 @@ class LoraRows:
 
     def __init__(self, adapters: AdapterRows) -> None:
         table = self.table = adapters.table
-        self.order = adapters.order.to(torch.int64).contiguous()
-        self.spans = adapters.spans.to(torch.int64).contiguous()
-        used = self.order.numel()
-        widths = (table.widest_in, table.widest, table.widest_out)  # the gathered rows, rank vectors, deltas
-        self.scratch = torch.empty(used * sum(widths), dtype=table.dtype)
         widened_row = max(table.widest_in, table.widest)  # the GEMV widens x of any adapter product to fp32
-        self.widened = torch.empty(used * widened_row, dtype=torch.float32)
-        base, elem = self.scratch.data_ptr(), table.model.elem
-        self.struct = _Lora(ctypes.addressof(table.entries), table.layers, self.order.data_ptr(),
-                            self.spans.data_ptr(), self.spans.shape[0], base, base + used * widths[0] * elem,
-                            base + used * (widths[0] + widths[1]) * elem, table.widest, widened_row)
+        self.widened = torch.empty(adapters.order.numel() * widened_row, dtype=torch.float32)
+        self.struct, self._held = table.scratch(adapters.order, adapters.spans, table.widest_in, table.widest_out,
+                                                widened_row)
         self._add = _library().hearth_lora_add
 
     def takes(self, x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -299,18 +323,11 @@ class DecodeStack:
                        pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0, None)
         held: tuple = (positions, slots, tables, lens, scratch, widened, k_cache, v_cache, pos_cache)
         if adapters is not None:
-            order = adapters.order.to(torch.int64).contiguous()
-            spans = adapters.spans.to(torch.int64).contiguous()
-            used = order.numel()
-            widest_in = max(m.hidden, m.hq * m.head_dim, m.inter)
-            widest_out = max(qkv_width, m.hidden, 2 * m.inter)
-            lora_scratch = torch.empty(used * (widest_in + adapters.table.widest + widest_out), dtype=self.dtype)
-            base = lora_scratch.data_ptr()
-            lora = _Lora(ctypes.addressof(adapters.table.entries), adapters.table.layers, order.data_ptr(),
-                         spans.data_ptr(), spans.shape[0], base, base + used * widest_in * m.elem,
-                         base + used * (widest_in + adapters.table.widest) * m.elem, adapters.table.widest, widest)
+            lora, lora_held = adapters.table.scratch(adapters.order, adapters.spans,
+                                                     max(m.hidden, m.hq * m.head_dim, m.inter),
+                                                     max(qkv_width, m.hidden, 2 * m.inter), widest)
             struct.lora = ctypes.addressof(lora)
-            held += (order, spans, lora_scratch, lora, adapters.table)
+            held += (lora, *lora_held)
         return DecodeStep(struct, h, x, held)
 
     def layer(self, step: DecodeStep, index: int) -> None:

@@ -94,7 +94,7 @@ class LoRASlots:
                  stacked: bool = False) -> None:
         self.base, self.num_layers = base, num_layers
         self.stacked = stacked  # the Triton kernels' layout; packed per adapter otherwise
-        self.packed: dict[tuple[int, str], list[tuple[lora_ref.Product, lora_ref.Product] | None]] = {}
+        self.packed: dict[tuple[int, str], list[lora_ref.Products | None]] = {}
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype, self.device = dtype, device
         self.host_cache = host_cache or 4 * max_loras
@@ -192,15 +192,16 @@ class LoRASlots:
             if not self.stacked:
                 packed = self.packed.setdefault(key, [None] * self.max_loras)
                 # On the CPU layers the base runs on (kernels/lora.py says why), in packed_dtype.
-                a_p, b_p = lora_ref.pack(subs, bounds, host.spec.scaling, self.packed_dtype)
+                weights = lora_ref.pack(subs, bounds, host.spec.scaling, self.packed_dtype)
                 if self.device.type == "cpu":
-                    shrink, expand = Linear(a_p), Linear(b_p)
-                    packed[index] = (shrink, expand)
+                    shrink = Linear(weights.a)
+                    expands = [(column, Linear(b)) for column, b in weights.parts]
+                    packed[index] = (shrink, expands)
                     if self.table is not None:
                         self.table.set(index, key[0], key[1], (*shrink.kernel_weight(), shrink.gemm),
-                                       (*expand.kernel_weight(), expand.gemm))
+                                       [(column, (*e.kernel_weight(), e.gemm)) for column, e in expands])
                 else:
-                    packed[index] = lora_ref.matmuls(a_p.to(self.device), b_p.to(self.device))
+                    packed[index] = lora_ref.matmuls(weights.to(self.device))
                 continue
             a, b = self._stack(key)
             for sub, a_w, b_w in subs:

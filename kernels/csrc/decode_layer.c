@@ -9,7 +9,7 @@
  * them) in the same order on the same buffers, so its results are the Python path's bit for bit.
  *
  * LoRA adapters ride along the same way: after each product an adapter changes, every adapter of the step adds
- * its rows' deltas with its two packed products (kernels/lora.py) on the same entry points, as the Python
+ * its rows' deltas with its packed products (kernels/lora.py) on the same entry points, as the Python
  * forward's lora_apply_packed does, instead of the two dozen torch ops a projection costs there.
  */
 #include <stdint.h>
@@ -50,10 +50,16 @@ typedef struct {
     void *many; /* the entry point for more than Model.gemv_rows rows (same arguments as fn), or NULL: none */
 } Matrix;
 
-/* One adapter's packed products for one projection (kernels/lora.py): shrink = x A^T [m, k*r], expand = that
- * times B^T (scale folded in); shrink.fn NULL where the adapter leaves the projection alone. */
+enum { MAX_PARTS = 3 }; /* the most sub-modules of a fused projection (q|k|v) */
+
+/* One adapter's packed products for one projection (kernels/lora.py): shrink = x A^T [m, k*r], then for each of
+ * the k sub-modules it adapts, its r rank vectors times that sub-module's B^T (scale folded in) into its own
+ * output columns, from column[p] on; shrink.fn NULL where the adapter leaves the projection alone. */
 typedef struct {
-    Matrix shrink, expand;
+    Matrix shrink;
+    Matrix expand[MAX_PARTS];
+    int64_t column[MAX_PARTS];
+    int64_t parts;
 } Adapter;
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3, PROJECTIONS = 4 };
@@ -66,8 +72,10 @@ typedef struct {
     const int64_t *spans;  /* [n_spans][3]: slot, start, end (a range of order) */
     int64_t n_spans;
     void *xs, *mid, *delta; /* scratch: rows x widest input, rows x mid_row, rows x widest output */
-    int64_t mid_row;        /* elements a row of mid holds: the widest rank vector (k*r) of any adapter */
+    int64_t mid_row;        /* elements a row of mid holds: the widest rank vectors (k*r) of any adapter */
     int64_t widened_row;    /* floats a row of Step.widened holds */
+    void *pieces;           /* scratch: rows x rank, one sub-module's rank vectors as contiguous rows */
+    int64_t rank;           /* the highest rank of any adapter */
 } Lora;
 
 /* What stays fixed for one layer from step to step. */
@@ -135,31 +143,45 @@ static int lora_adapted(const Lora *A, int64_t layer, int64_t projection) {
     return 0;
 }
 
+/* y[rows[i]] [column, column + n) += delta[i] (in the activations' dtype) for the m rows. */
+static void add_rows(void *y, int64_t out, const int64_t *rows, int64_t m, const void *delta, int64_t column,
+                     int64_t n, int64_t e) {
+    for (int64_t i = 0; i < m; i++) {
+        if (e == 4) {
+            float *dst = (float *)y + rows[i] * out + column;
+            const float *d = (const float *)delta + i * n;
+            for (int64_t c = 0; c < n; c++) dst[c] += d[c];
+        } else {
+            uint16_t *dst = (uint16_t *)y + rows[i] * out + column;
+            const uint16_t *d = (const uint16_t *)delta + i * n;
+            int64_t c = 0;
+            for (; c + 8 <= n; c += 8) /* eight lanes: one at a time cost as much as the products at decode */
+                _mm_storeu_si128((__m128i *)(dst + c),
+                                 narrow8_bf16(_mm256_add_ps(widen8_bf16(dst + c), widen8_bf16(d + c))));
+            for (; c < n; c++) dst[c] = narrow1_bf16(widen1_bf16(dst[c]) + widen1_bf16(d[c]));
+        }
+    }
+}
+
 /* One span's part of hearth_lora_add: rows order[start, start + m) of one adapter, its scratch rows at `start`
  * (each scratch buffer's rows have one width for every adapter, so spans run at once never share a byte). */
 static void add_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
                      const void *x, int64_t in, void *y, int64_t out, int64_t threads) {
-    const int64_t e = M->elem, *rows = A->order + start;
+    const int64_t e = M->elem, *rows = A->order + start, kr = ad->shrink.n, rank = kr / ad->parts;
     char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * A->mid_row * e;
-    char *delta = (char *)A->delta + start * out * e;
+    char *delta = (char *)A->delta + start * out * e, *piece = (char *)A->pieces + start * A->rank * e;
     float *widened = widened_rows + start * A->widened_row;
     for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
     product_rows(M, &ad->shrink, xs, mid, m, threads, widened);
-    product_rows(M, &ad->expand, mid, delta, m, threads, widened);
-    for (int64_t i = 0; i < m; i++) {
-        if (e == 4) {
-            float *dst = (float *)y + rows[i] * out;
-            const float *d = (const float *)delta + i * out;
-            for (int64_t c = 0; c < out; c++) dst[c] += d[c];
-        } else {
-            uint16_t *dst = (uint16_t *)y + rows[i] * out;
-            const uint16_t *d = (const uint16_t *)delta + i * out;
-            int64_t c = 0;
-            for (; c + 8 <= out; c += 8) /* eight lanes: one at a time cost as much as the products at decode */
-                _mm_storeu_si128((__m128i *)(dst + c),
-                                 narrow8_bf16(_mm256_add_ps(widen8_bf16(dst + c), widen8_bf16(d + c))));
-            for (; c < out; c++) dst[c] = narrow1_bf16(widen1_bf16(dst[c]) + widen1_bf16(d[c]));
+    for (int64_t p = 0; p < ad->parts; p++) {
+        const Matrix *B = &ad->expand[p];
+        const char *vectors = mid;
+        if (ad->parts > 1) { /* this sub-module's rank vectors, as contiguous rows for its product */
+            for (int64_t i = 0; i < m; i++) memcpy(piece + i * rank * e, mid + (i * kr + p * rank) * e, rank * e);
+            vectors = piece;
         }
+        product_rows(M, B, vectors, delta, m, threads, widened);
+        add_rows(y, out, rows, m, delta, ad->column[p], B->n, e);
     }
 }
 

@@ -26,7 +26,7 @@ LAYERS = 2
 
 def _adapters(gen: torch.Generator, dtype: torch.dtype, slots: int) -> tuple[cpu_decode_layer.AdapterTable, dict]:
     """Random packed adapters in every slot (ranks 2-16, each adapting a random subset of the sub-modules), in the
-    table the C call reads and as the (shrink, expand) products lora_apply_packed takes."""
+    table the C call reads and as the products (shrink, then each sub-module's expand) lora_apply_packed takes."""
     table = cpu_decode_layer.AdapterTable(slots, LAYERS, dtype)
     products: dict[tuple[int, str], list] = {}
     for slot in range(slots):
@@ -39,11 +39,12 @@ def _adapters(gen: torch.Generator, dtype: torch.dtype, slots: int) -> tuple[cpu
                     continue  # this adapter leaves the projection alone
                 subs = [(j, torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5,
                          torch.randn(bounds[j + 1] - bounds[j], rank, generator=gen)) for j in chosen]
-                a, b = lora_ref.pack(subs, bounds, 0.5 + float(torch.rand((), generator=gen)), dtype)
-                shrink, expand = Linear(a), Linear(b)
-                weights[slot] = (shrink, expand)
+                packed = lora_ref.pack(subs, bounds, 0.5 + float(torch.rand((), generator=gen)), dtype)
+                shrink = Linear(packed.a)
+                expands = [(column, Linear(b)) for column, b in packed.parts]
+                weights[slot] = (shrink, expands)
                 table.set(slot, layer, projection, (*shrink.kernel_weight(), shrink.gemm),
-                          (*expand.kernel_weight(), expand.gemm))
+                          [(column, (*e.kernel_weight(), e.gemm)) for column, e in expands])
     return table, products
 
 

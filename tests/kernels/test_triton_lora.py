@@ -158,7 +158,11 @@ def test_packed_cpu_path_matches_reference(ranks, targets, products) -> None:
     matrices = [pack([(j, case.a[s, j, :r], case.b[s, bounds[j]:bounds[j + 1], :r]) for j in subs], bounds,
                      float(case.scale[s]), dtype)
                 for s, (r, subs) in enumerate(zip(case.ranks, case.targets, strict=True))]
-    packed = [matmuls(a, b) if products == "torch" else (Linear(a), Linear(b)) for a, b in matrices]
+    packed = [matmuls(m) if products == "torch" else (Linear(m.a), [(c, Linear(b)) for c, b in m.parts])
+              for m in matrices]
+    for m, subs in zip(matrices, case.targets, strict=True):  # each sub-module's B alone, never a zero block
+        assert [c for c, _ in m.parts] == [bounds[j] for j in subs]
+        assert [b.shape[0] for _, b in m.parts] == [bounds[j + 1] - bounds[j] for j in subs]
     used = torch.nonzero(case.slot >= 0).flatten()
     order = used[torch.argsort(case.slot[used], stable=True)]
     spans, start = [], 0
