@@ -69,6 +69,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     max_batch_class_seqs: int | None = None  # cap on BATCH-priority sequences running at once
+    # While BATCH sequences run, waiting BATCH prompts join them in groups of this many (or all that wait, if
+    # fewer): a step that computes prompts costs a fixed extra (the Python forward, not the one-call layers).
+    batch_admission_group: int = 8
     serve_arrivals_mid_step: bool = True  # start arriving interactive prompts between a step's layers
     max_queue: int = 4096  # waiting requests before submission is refused
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -148,6 +151,8 @@ class EngineConfig:
             raise InvalidRequestError("draft_vocab must be at least 1")
         if self.max_batch_class_seqs is not None and self.max_batch_class_seqs < 1:
             raise InvalidRequestError("max_batch_class_seqs must be at least 1")
+        if self.batch_admission_group < 1:
+            raise InvalidRequestError("batch_admission_group must be at least 1")
 
     def default_kv_compression(self) -> KVCompressionSettings | None:
         if self.kv_compression_rate is None and self.kv_compression_max_tokens is None:

@@ -69,7 +69,8 @@ class LLMEngine:
                                   self.config.max_loras, self.config.max_lora_rank, self.model.dtype,
                                   self.model.device, stacked=self.model.triton is not None)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.max_batch_class_seqs, self.lora)
+                                   self.config.max_batch_class_seqs, self.lora,
+                                   batch_admission_group=self.config.batch_admission_group)
         self.runner = ModelRunner(self.model, self.pool, self.lora)
         self.compressor = KVCompressor(CompressionConfig(
             enabled=self.config.kv_compression, default=self.config.default_kv_compression(),

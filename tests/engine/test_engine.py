@@ -309,6 +309,51 @@ def test_metrics_count_the_interactive_requests_waiting_apart(tiny_llama) -> Non
     assert (metrics.running, metrics.queue_depth, metrics.interactive_waiting) == (1, 4, 1)
 
 
+def _batch_admissions(tiny_llama, group: int) -> tuple[list[int], int]:
+    """Six BATCH sequences finishing one step apart, four more BATCH prompts waiting behind them: how many of those
+    four start at each step where some start; then, with BATCH prompts held, the steps an interactive one waits."""
+    llm = _llm(tiny_llama, max_num_seqs=6, max_batch_class_seqs=6, batch_admission_group=group)
+    engine = llm.engine
+    ids = llm.encode(PROMPTS[0], raw=True)
+    for i in range(6):
+        engine.add_request(GenerationRequest(ids, SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True),
+                                             priority=Priority.BATCH))
+    engine.step()  # nothing ran: all six start at once
+    later = [GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                               priority=Priority.BATCH) for _ in range(4)]
+    for request in later:
+        engine.add_request(request)
+    waiting, admitted = {r.request_id for r in later}, []
+    while waiting:
+        engine.step()
+        still = waiting & {s.request_id for s in engine.scheduler.waiting}
+        if waiting - still:
+            admitted.append(len(waiting - still))
+        waiting = still
+    # Every slot is taken by BATCH work again; one more BATCH prompt waits, held until slots free.
+    engine.add_request(GenerationRequest(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                                         priority=Priority.BATCH))
+    interactive = GenerationRequest(ids, SamplingParams(max_tokens=2, temperature=0), priority=Priority.INTERACTIVE)
+    engine.add_request(interactive)
+    steps = 0
+    while interactive.request_id in {s.request_id for s in engine.scheduler.waiting}:
+        engine.step()
+        steps += 1
+    return admitted, steps
+
+
+def test_batch_prompts_join_running_batch_work_in_groups(tiny_llama) -> None:
+    """While BATCH sequences run, waiting BATCH prompts start in groups (every step that computes prompts pays the
+    Python forward's fixed cost), not one by one as slots free; fewer than a group start once they all fit. An
+    interactive prompt never waits for a group."""
+    grouped, interactive_wait = _batch_admissions(tiny_llama, group=3)
+    assert grouped == [3, 1]
+    one_by_one, interactive_alone = _batch_admissions(tiny_llama, group=1)
+    assert one_by_one == [1, 1, 1, 1]
+    # The interactive prompt starts at the first step with a free slot, as it does without groups.
+    assert interactive_wait == interactive_alone >= 1
+
+
 def test_batch_decodes_sit_out_the_steps_that_compute_an_interactive_prompt(tiny_llama) -> None:
     llm = _llm(tiny_llama, max_num_batched_tokens=16)
     engine = llm.engine
