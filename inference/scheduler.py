@@ -152,8 +152,8 @@ class Scheduler:
         """Whether waiting BATCH prompts wait for more free slots: while BATCH sequences run, new ones join in
         groups (batch_admission_group, or every BATCH sequence waiting if fewer). A step that computes prompts
         costs a fixed extra (the Python forward instead of the one-call decode layers: ~8 ms of a SmolLM2 step),
-        and items that arrive one by one, as a batch worker sends them, would otherwise make most steps pay it.
-        Interactive prompts never wait for this."""
+        and items that arrive one by one, as a batch worker sends them, would otherwise make about half the steps
+        pay it. Interactive prompts never wait for this."""
         group = self.batch_admission_group
         if group <= 1:
             return False
