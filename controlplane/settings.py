@@ -126,10 +126,14 @@ if DATABASE_URL:
             and not _database["CONN_MAX_AGE"]):
         # A pool of server sessions. Under ASGI every request runs its database work on a thread of its own, so
         # without one each request opened a new session (~7 ms on loopback: the server starts a process for
-        # it) and closed it at the end. A checkout costs a round trip instead: with CONN_HEALTH_CHECKS Django
-        # has the pool test a session before lending it, so one the server ended (a restart, an idle timeout)
-        # is replaced rather than failing the request. max_size bounds the sessions this process holds; a
-        # request that finds none free waits up to `timeout` seconds for one.
+        # it) and closed it at the end. A checkout costs a round trip instead: the pool tests a session before
+        # lending it, so one the server ended (a restart, an idle timeout) is replaced rather than failing the
+        # request. The test is ours (controlplane/db_pool.py: a dead session has every idle one tested at once;
+        # psycopg_pool's own, which Django's CONN_HEALTH_CHECKS installs, met them one by one, waiting 1, 2,
+        # 4... s between). max_size bounds the sessions this process holds; a request that finds none free
+        # waits up to `timeout` seconds for one.
+        import controlplane.db_pool  # noqa: F401  (installs the pool's test of a session)
+
         _database["OPTIONS"] = {**_database.get("OPTIONS", {}), "pool": {
             "min_size": env_int("DB_POOL_MIN_SIZE", 2), "max_size": env_int("DB_POOL_MAX_SIZE", 100),
             "timeout": env_int("DB_POOL_TIMEOUT_S", 30), "max_idle": 300}}

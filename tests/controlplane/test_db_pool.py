@@ -41,7 +41,14 @@ def test_requests_share_pooled_sessions_and_a_session_the_server_ended_is_replac
         assert len(sessions) >= 8 and len(set(sessions) - before) <= 2, (sessions, before)
 
         # The server ends every other session on this database (a restart, an idle timeout): the pool tests a
-        # session before lending it, so the next requests get a fresh one instead of an error.
+        # session before lending it, so the next requests get a fresh one instead of an error. Eight idle
+        # sessions first: met one by one, with the pool's waits of 1, 2, 4, 8, 16 s after each dead one, the
+        # sixth would pass the pool's 30 s timeout (controlplane/db_pool.py).
+        pool = connection.pool
+        taken = [pool.getconn() for _ in range(8)]
+        for session in taken:
+            pool.putconn(session)
+        assert pool.get_stats()["pool_available"] >= 8
         with connection.cursor() as cursor:
             cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                            "WHERE datname = current_database() AND pid <> pg_backend_pid()")
