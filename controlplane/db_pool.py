@@ -16,34 +16,36 @@ reading it (eight dead idle sessions would then take the request past the pool's
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.db.backends.signals import connection_created
 from psycopg_pool import ConnectionPool
 
-_sweeping = threading.local()
 
+def _tester(pool: ConnectionPool) -> Callable[[Any], None]:
+    """The pool's test of one session: psycopg_pool's, and on a failure, first every idle session of the pool."""
+    sweeping = threading.local()  # pool.check() tests each idle session with this same function
 
-def check_session(conn: Any) -> None:
-    """Raise if the session is unusable; on that, first test every idle session of the pool too."""
-    try:
-        ConnectionPool.check_connection(conn)
-    except Exception:
-        if not getattr(_sweeping, "active", False):  # pool.check() tests each idle session with this function
-            from django.db import connections
+    def check(conn: Any) -> None:
+        try:
+            ConnectionPool.check_connection(conn)
+        except Exception:
+            if not getattr(sweeping, "active", False):
+                sweeping.active = True
+                try:
+                    pool.check()
+                finally:
+                    sweeping.active = False
+            raise
 
-            _sweeping.active = True
-            try:
-                connections["default"].pool.check()
-            finally:
-                _sweeping.active = False
-        raise
+    return check
 
 
 def _install(sender: Any, connection: Any, **kwargs: Any) -> None:
     pool = getattr(connection, "pool", None)
     if pool is not None and getattr(pool, "_check", None) is ConnectionPool.check_connection:
-        pool._check = check_session
+        pool._check = _tester(pool)
 
 
 connection_created.connect(_install, dispatch_uid="hearth-db-pool-check")
