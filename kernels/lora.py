@@ -11,17 +11,18 @@ so for a row x of adapter s:  y[c] += scale[s] * sum_r b[s, c, r] * (a[s, j(c), 
 A sub-module the adapter does not target has zero A and B, and padded ranks are zero, so both add nothing.
 Each row names its slot; -1 means the base model alone.
 
-On CUDA the Triton kernels in `triton_lora.py` compute this from the per-row slot index in two launches
-(shrink, then expand). On CPU the cost is the number of small ops and the bytes read, so the engine keeps each
-adapter *packed* instead (`pack`): one A of the sub-modules it adapts stacked [k*r, in], and for each of them its
-own B [out_j, r] (scale folded in) with the first output column it writes. One product gives every rank vector of
-a row, then each sub-module's B expands its r of them into its own columns. (A single B [out, k*r] holding every
+On CUDA the Triton kernels in `triton_lora.py` compute this from the per-row slot index in two launches (shrink,
+then expand). On CPU the cost is the number of small ops and the bytes read, so the engine keeps each adapter
+*packed* instead (`pack`): one A of the sub-modules it adapts stacked [k*r, in], and for each of them its own B
+[out_j, r] (scale folded in) with the first output column it writes. One product gives every rank vector of a
+row, then each sub-module's B expands its r of them into its own columns. (A single B [out, k*r] holding every
 sub-module's ranks under its own columns would be one product, but two thirds zeros for q|k|v and half for
 gate|up: at decode, where reading the adapters is what costs, eight rank-32 adapters on every projection of
-SmolLM2-135M read 233 MB a step that way against 156 MB.) With the step's rows sorted by adapter once (`lora_apply_packed`), a
-projection then costs one gather, 1 + k products per adapter present and one scatter-add, whatever the ranks. The
-engine runs those products on its own CPU layers (inference/models/layers.Linear: the GEMV and GEMM that stream
-the base's weights), which read the adapters' weights faster than torch's matmul at a few rows each.
+SmolLM2-135M read 233 MB a step that way against 156 MB.) With the step's rows sorted by adapter once
+(`lora_apply_packed`), a projection then costs one gather, 1 + k products per adapter present and one
+scatter-add, whatever the ranks. The engine runs those products on its own CPU layers
+(inference/models/layers.Linear: the GEMV and GEMM that stream the base's weights), which read the adapters'
+weights faster than torch's matmul at a few rows each.
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ Products = tuple[Product, Sequence[tuple[int, Product]]]
 
 def matmuls(packed: Packed) -> Products:
     """A packed adapter's products as plain torch matmuls (the engine passes its CPU layers instead)."""
-    a = packed.a
-    return (lambda rows: rows @ a.t()), [(column, functools.partial(_times_t, b)) for column, b in packed.parts]
+    return (functools.partial(_times_t, packed.a),
+            [(column, functools.partial(_times_t, b)) for column, b in packed.parts])
 
 
-def _times_t(b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return rows @ b.t()
+def _times_t(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return rows @ weight.t()
 
 
 def lora_apply_packed(y: torch.Tensor, x: torch.Tensor, weights: Sequence[Products | None],
