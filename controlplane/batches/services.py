@@ -351,7 +351,9 @@ def claim(item_id: int) -> ClaimResult:
     token = uuid.uuid4().hex
     lease = now + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
     if item_sql.take(item_id, token, now, lease, settings.HEARTH_BATCH_MAX_ATTEMPTS):
-        item = Item.objects.select_related("batch").get(pk=item_id)
+        item = item_sql.read(item_id)
+        if item is None:  # deleted (its batch purged) between the two statements
+            return ClaimResult()
         return ClaimResult(claim=Claim(item_id, item.batch_id, token, item.batch), item=item)
     return _not_taken(item_id, now)
 

@@ -94,6 +94,31 @@ def test_claims_are_exclusive_and_a_result_is_written_once(tenant):
     assert Item.objects.get(pk=second.pk).attempts == 0 and services.claim(second.pk).claim is not None
 
 
+def stored(instance) -> dict:
+    return {f.attname: getattr(instance, f.attname) for f in type(instance)._meta.concrete_fields}
+
+
+@pytest.mark.django_db
+def test_a_claim_reads_its_item_and_batch_as_the_orm_does(tenant):
+    batch = native_batch(tenant, 2, prompt="Quote «this» and \u2603")
+    Batch.objects.filter(pk=batch.pk).update(metadata={"team": "ops", "n": [1, 2.5, None]},
+                                             errors=[{"code": "x"}], in_progress_at=timezone.now())
+    first = Item.objects.filter(batch=batch).order_by("index").first()
+    Item.objects.filter(pk=first.pk).update(custom_id=None, error={"message": "earlier"})
+    taken = services.claim(first.pk)
+    orm = Item.objects.select_related("batch").get(pk=first.pk)
+    # Every stored field of both rows, with the types the ORM gives (aware datetimes, decoded JSON, ints).
+    assert stored(taken.item) == stored(orm) and stored(taken.item.batch) == stored(orm.batch)
+    assert {k: type(v) for k, v in stored(taken.item).items()} == {k: type(v) for k, v in stored(orm).items()}
+    assert timezone.is_aware(taken.item.lease_until) and taken.item.body["prompt"].startswith("Quote «this»")
+    assert taken.item.batch.metadata == {"team": "ops", "n": [1, 2.5, None]} and taken.claim.batch is taken.item.batch
+    assert not taken.item._state.adding and taken.item._state.db == orm._state.db
+    # An item deleted between the claim's UPDATE and its read runs nothing.
+    from controlplane.batches import item_sql
+
+    assert item_sql.read(10**9) is None
+
+
 @pytest.mark.django_db
 def test_a_finish_reads_back_every_count_and_a_stopping_batch_lends_no_item(tenant):
     batch = native_batch(tenant, 3)
