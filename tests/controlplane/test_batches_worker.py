@@ -17,7 +17,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from controlplane.accounts.services import authenticate_key
-from controlplane.batches import events, maintenance, services, tasks
+from controlplane.batches import events, item_sql, maintenance, services, tasks
 from controlplane.batches.models import Batch, File, Item
 from controlplane.catalog.models import AiModel
 from controlplane.catalog.services import get_model, set_price
@@ -113,10 +113,7 @@ def test_a_claim_reads_its_item_and_batch_as_the_orm_does(tenant):
     assert timezone.is_aware(taken.item.lease_until) and taken.item.body["prompt"].startswith("Quote «this»")
     assert taken.item.batch.metadata == {"team": "ops", "n": [1, 2.5, None]} and taken.claim.batch is taken.item.batch
     assert not taken.item._state.adding and taken.item._state.db == orm._state.db
-    # An item deleted between the claim's UPDATE and its read runs nothing.
-    from controlplane.batches import item_sql
-
-    assert item_sql.read(10**9) is None
+    assert item_sql.read(10**9) is None  # an item deleted between the claim's UPDATE and its read
 
 
 @pytest.mark.django_db
