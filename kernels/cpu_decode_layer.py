@@ -1,4 +1,5 @@
-"""A decoder layer of a decode step (one token per sequence) as one C call (csrc/decode_layer.c).
+"""A decoder layer of a decode step (one token per sequence, and prompt chunks beside them) as one C call
+(csrc/decode_layer.c).
 
 The layer's nine kernel calls (norms, products, rotary + KV write, paged attention, SiLU * up) are the ones
 the decoder's Python forward makes, made from C in the same order on the same buffers: the results are the
@@ -13,7 +14,9 @@ keeps the Python forward. Steps of more than MAX_ROWS sequences run here too whe
 is also one of these kernels (cpu_gemv's gemm where the layers route products of many rows to it, int8 on its
 own kernel at any row count; `many_rows`); otherwise (products of many rows on oneDNN) those steps keep the
 Python forward. Steps with LoRA adapters run here too where every adapter present has its products on these
-kernels in the activations' dtype (`AdapterTable`): each adapted projection adds its rows' deltas in C.
+kernels in the activations' dtype (`AdapterTable`): each adapted projection adds its rows' deltas in C. Steps
+with prompt chunks (`PromptRows`) run here where the stack was built with `prompts` (the forward runs this model's
+prompt attention on the C prompt kernels) and no row uses an adapter.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +51,13 @@ class _Model(ctypes.Structure):
     _fields_ = ([(name, _c) for name in ("norm", "rope", "attention", "silu_mul")]
                 + [(name, ctypes.c_int64) for name in ("elem", "hidden", "hq", "hkv", "head_dim", "inter")]
                 + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")]
-                + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)])
+                + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)]
+                + [(name, _c) for name in ("causal", "prefill")])
+
+
+class _Prompt(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("start", "end", "context")] + [("tables", _c),
+                                                                                   ("width", ctypes.c_int64)]
 
 
 MAX_PARTS = 3  # decode_layer.c's most sub-modules of a fused projection (q|k|v)
@@ -68,7 +78,9 @@ class _Step(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("rows", "width", "block_size")]
                 + [(name, _c) for name in ("positions", "slots", "tables", "lens", "k_cache", "v_cache", "pos_cache",
                                            "h", "x", "normed", "qkv", "q", "attn", "gate_up", "act", "widened")]
-                + [("has_x", ctypes.c_int64), ("lora", _c)])
+                + [("has_x", ctypes.c_int64), ("lora", _c), ("decodes", ctypes.c_int64), ("prompts", _c),
+                   ("n_prompts", ctypes.c_int64), ("scratch", _c), ("keep", _c), ("kept", ctypes.c_int64),
+                   ("last", ctypes.c_int64)])
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_layer.c's order of a layer's products
@@ -255,15 +267,28 @@ class LayerSpec:
     gate_up_silu: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """A prompt chunk of a step: rows [start, end); either nothing cached before it (context -1) or `context` keys
+    cached before it, read through `tables` [L, Hkv, W] (entry t of every kv head holding position t)."""
+
+    start: int
+    end: int
+    context: int = -1
+    tables: torch.Tensor | None = None
+
+
 @dataclass(slots=True)
 class DecodeStep:
     """One step's inputs and buffers. After the last layer, `h` is the residual stream and `x` the last
-    sublayer's output, not yet added to it (the final norm adds it)."""
+    sublayer's output, not yet added to it (the final norm adds it); where the step was started with `keep`,
+    only their first `len(keep)` rows are meaningful, those rows in keep's order."""
 
     struct: _Step
     h: torch.Tensor
     x: torch.Tensor
     held: tuple  # what the struct points into (tensors, the adapters' structs), alive until the step is done
+    kept: int | None = None  # rows of h and x the caller reads after the last layer (None: all)
 
 
 class DecodeStack:
@@ -271,9 +296,12 @@ class DecodeStack:
 
     def __init__(self, *, dtype: torch.dtype, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, norm_offset: bool, scale: float, softcap: float | None,
-                 layers: list[LayerSpec]) -> None:
+                 layers: list[LayerSpec], prompts: bool = False) -> None:
+        """prompts: whether the forward runs this model's prompt chunks on the C prompt kernels
+        (cpu_paged_attention.causal_attention and prefill_attention), so steps with them can run here too."""
         assert dtype in (torch.float32, torch.bfloat16) and available()
         fused, norm, attention = cpu_fused._library(), cpu_norm._library(), cpa._library()
+        causal = cpa._causal_library() if prompts else None
         bf16 = dtype == torch.bfloat16
         self.dtype = dtype
         self.model = _Model(
@@ -282,7 +310,11 @@ class DecodeStack:
             _address(attention.hearth_paged_decode_bf16 if bf16 else attention.hearth_paged_decode_f32),
             _address(fused.hearth_silu_mul_bf16 if bf16 else fused.hearth_silu_mul_f32),
             2 if bf16 else 4, hidden, num_heads, num_kv_heads, head_dim, intermediate,
-            eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads(), MAX_ROWS)
+            eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads(), MAX_ROWS,
+            _address(causal.hearth_causal_attention) if causal is not None else None,
+            _address(causal.hearth_prefill_attention) if causal is not None else None)
+        self.prompts = causal is not None  # whether steps with prompt chunks run here
+        self._tile = causal.hearth_causal_attention_tile() if causal is not None else 0
         self.specs = layers  # the tensors the layer structs point into
         # Steps of more rows run here only if every product of more rows is one of the kernels too.
         self.many_rows = all(m.many for s in layers for m in (s.qkv, s.o, s.gate_up, s.down))
@@ -293,20 +325,30 @@ class DecodeStack:
         self._widest = max(max(s.qkv.k, s.o.k, s.gate_up.k, s.down.k) for s in layers)
         self._run = _library().hearth_decode_layer
 
-    def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              pos_cache: torch.Tensor, adapters: AdapterRows | None = None) -> DecodeStep:
-        """h [rows, hidden] (one row per sequence, at most MAX_ROWS unless `many_rows`; updated in place);
-        positions [rows]; slots [L, Hkv, rows]; tables [L, rows, Hkv, W]; lens [L, rows, Hkv]; the KV pool's caches
-        ([N, block, D] and [N, block]); the step's LoRA adapters, if any row has one."""
+    def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor | None,
+              lens: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              pos_cache: torch.Tensor, adapters: AdapterRows | None = None, prompts: Sequence[PromptRows] = (),
+              keep: torch.Tensor | None = None) -> DecodeStep:
+        """h [rows, hidden] (updated in place): the decodes' rows (one per sequence) first, then the prompt chunks'
+        (`prompts`, where `self.prompts`); at most MAX_ROWS rows unless `many_rows`. positions [rows]; slots
+        [L, Hkv, rows]; the decodes' tables [L, decodes, Hkv, W] and lens [L, decodes, Hkv] (None: no decodes);
+        the KV pool's caches ([N, block, D] and [N, block]); the step's LoRA adapters, if any row has one; keep:
+        the rows (ascending, int64) the last layer's output projection and MLP run on, or None for all (not with
+        adapters)."""
         m = self.model
         rows = h.shape[0]
         assert (rows <= MAX_ROWS or self.many_rows) and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
+        assert (self.prompts or not prompts) and (keep is None or adapters is None)
         self.model.threads = torch.get_num_threads()
         positions = positions.to(torch.int64).contiguous()
         slots = slots.to(torch.int64).contiguous()
-        tables = tables.to(torch.int64).contiguous()
-        lens = lens.to(torch.int32).contiguous()
+        if tables is None or lens is None:
+            tables, lens = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
+            decodes = width = 0
+        else:
+            tables = tables.to(torch.int64).contiguous()
+            lens = lens.to(torch.int32).contiguous()
+            decodes, width = tables.shape[1], tables.shape[-1]
         qkv_width = (m.hq + 2 * m.hkv) * m.head_dim
         # One allocation for every activation buffer of the step, in elements of the model's dtype.
         sizes = (m.hidden, m.hidden, qkv_width, m.hq * m.head_dim, m.hq * m.head_dim, 2 * m.inter, m.inter)
@@ -318,17 +360,47 @@ class DecodeStack:
             pointers.append(offset)
             offset += rows * size * m.elem
         x = scratch[: rows * m.hidden].view(rows, m.hidden)
-        struct = _Step(rows, tables.shape[-1], k_cache.shape[1], positions.data_ptr(), slots.data_ptr(),
+        struct = _Step(rows, width, k_cache.shape[1], positions.data_ptr(), slots.data_ptr(),
                        tables.data_ptr(), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                       pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0, None)
+                       pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0, None, decodes)
         held: tuple = (positions, slots, tables, lens, scratch, widened, k_cache, v_cache, pos_cache)
+        if prompts:
+            held += self._prompts(struct, prompts)
+        kept = None
+        if keep is not None:
+            keep = keep.to(torch.int64).contiguous()
+            struct.keep, struct.kept, struct.last = keep.data_ptr(), keep.numel(), len(self.layers) - 1
+            kept = keep.numel()
+            held += (keep,)
         if adapters is not None:
             lora, lora_held = adapters.table.scratch(adapters.order, adapters.spans,
                                                      max(m.hidden, m.hq * m.head_dim, m.inter),
                                                      max(qkv_width, m.hidden, 2 * m.inter), widest)
             struct.lora = ctypes.addressof(lora)
             held += (lora, *lora_held)
-        return DecodeStep(struct, h, x, held)
+        return DecodeStep(struct, h, x, held, kept)
+
+    def _prompts(self, struct: _Step, prompts: Sequence[PromptRows]) -> tuple:
+        """The step's prompt chunks into `struct`, with the prompt kernel's work space for the largest of them;
+        returns what the struct then points into."""
+        m, tile = self.model, self._tile
+        chunks = (_Prompt * len(prompts))()
+        held: list = [chunks]
+        floats = 0
+        for i, p in enumerate(prompts):
+            tokens, context = p.end - p.start, max(p.context, 0)
+            padded = -(-(context + tokens) // tile) * tile
+            floats = max(floats, tokens * m.hq * m.head_dim + 2 * m.hkv * m.head_dim * padded)
+            if p.context < 0:
+                chunks[i] = _Prompt(p.start, p.end, -1, None, 0)
+                continue
+            assert p.tables is not None
+            tables = p.tables.to(torch.int64).contiguous()
+            held.append(tables)
+            chunks[i] = _Prompt(p.start, p.end, p.context, tables.data_ptr(), tables.shape[-1])
+        work = cpa._scratch_floats(floats)  # the prompt kernel's buffer, kept per thread (held: it may be replaced)
+        struct.prompts, struct.n_prompts, struct.scratch = ctypes.addressof(chunks), len(prompts), work.data_ptr()
+        return (*held, work)
 
     def layer(self, step: DecodeStep, index: int) -> None:
         self._run(self._model_ref, self._refs[index], ctypes.byref(step.struct), index)

@@ -14,7 +14,7 @@ from kernels import cpu_paged_attention as cpa
 
 def forget_libraries() -> None:
     """Drop every loaded kernel library, so the next use builds (or loads) the one the environment asks for."""
-    for cached in (cpu_build.load, cpu_gemv._library, cpu_gemv._gemm_library, cpa._library, cpu_norm._library, cpu_fused._library,
+    for cached in (cpu_build.load, cpu_gemv._library, cpu_gemv._gemm_library, cpa._library, cpa._causal_library, cpu_norm._library, cpu_fused._library,
                    cpu_int8._library, cpu_decode_layer._library, cpu_argmax._library):
         cached.cache_clear()
 

@@ -207,23 +207,53 @@ class DecoderLM:
         return cpu_decode_layer.DecodeStack(
             dtype=self.dtype, hidden=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, intermediate=self.layers[0].gate_up.out_features // 2, eps=self.eps,
-            norm_offset=self.spec.norm_offset, scale=self.scale, softcap=self.attn_softcap, layers=specs)
+            norm_offset=self.spec.norm_offset, scale=self.scale, softcap=self.attn_softcap, layers=specs,
+            prompts=self.cpu_causal and self.attn_softcap is None and all(s.window is None for s in specs))
 
-    def _decode_step(self, h: torch.Tensor, batch: AttentionBatch,
-                     kv: KVPool) -> cpu_decode_layer.DecodeStep | None:
-        """This step on the one-call layers, or None where it needs the Python forward (prompt chunks, adapters
-        whose products are not on its kernels, sequences being compressed, more rows than the stack's products
-        take)."""
-        if (self.decode_stack is None or batch.prefills or len(batch.decode_groups) != 1
-                or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not self.decode_stack.many_rows)
+    def _decode_step(self, h: torch.Tensor, batch: AttentionBatch, kv: KVPool,
+                     keep: torch.Tensor | None) -> cpu_decode_layer.DecodeStep | None:
+        """This step on the one-call layers, or None where it needs the Python forward (adapters whose products
+        are not on its kernels, prompt chunks beside adapters or off the C prompt kernels, sequences being
+        compressed, more rows than the stack's products take)."""
+        stack = self.decode_stack
+        if (stack is None or len(batch.decode_groups) > 1 or (batch.prefills and not stack.prompts)
+                or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not stack.many_rows)
                 or kv.k.shape[1] > cpa.MAX_BLOCK):
             return None
-        adapters = batch.lora.slots.one_call(batch.lora) if batch.lora is not None else None
-        group = batch.decode_groups[0]
-        if group.observers is not None or (batch.lora is not None and adapters is None):
+        group = batch.decode_groups[0] if batch.decode_groups else None
+        if group is not None and group.observers is not None:
             return None
-        return self.decode_stack.start(h, batch.positions, batch.slots, group.block_tables, group.kv_lens,
-                                       kv.k, kv.v, kv.pos, adapters)
+        if batch.prefills:
+            prompts = self._prompt_rows(batch)
+            if prompts is None or batch.lora is not None:
+                return None
+            return stack.start(h, batch.positions, batch.slots, group.block_tables if group else None,
+                               group.kv_lens if group else None, kv.k, kv.v, kv.pos, prompts=prompts, keep=keep)
+        adapters = batch.lora.slots.one_call(batch.lora) if batch.lora is not None else None
+        if group is None or (batch.lora is not None and adapters is None):
+            return None
+        return stack.start(h, batch.positions, batch.slots, group.block_tables, group.kv_lens,
+                           kv.k, kv.v, kv.pos, adapters)
+
+    @staticmethod
+    def _prompt_rows(batch: AttentionBatch) -> list[cpu_decode_layer.PromptRows] | None:
+        """The step's prompt chunks as the one-call layers take them: each one's attention on the C prompt kernels
+        as `_attention` runs it (fresh, or after keys that every head holds in order), in every layer; None where
+        some chunk needs the other paths (a compressor observing it, entries evicted)."""
+        prompts = []
+        for seg in batch.prefills:
+            if seg.observer is not None:
+                return None
+            if seg.fresh:
+                prompts.append(cpu_decode_layer.PromptRows(seg.start, seg.end))
+                continue
+            assert seg.kv_lens is not None and seg.block_table is not None
+            last = int(batch.positions[seg.end - 1])
+            if not int(seg.kv_lens.min()) == int(seg.kv_lens.max()) == last + 1:
+                return None
+            prompts.append(cpu_decode_layer.PromptRows(seg.start, seg.end, last + 1 - (seg.end - seg.start),
+                                                       seg.block_table))
+        return prompts
 
     # ------------------------------------------------------------------ forward
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -253,12 +283,16 @@ class DecoderLM:
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        step = self._decode_step(h, batch, kv)
+        step = self._decode_step(h, batch, kv, keep if batch.prefills else None)
         if step is not None:
             for index in range(self.num_layers):
                 if between_layers is not None:
                     between_layers()
                 self.decode_stack.layer(step, index)
+            if step.kept is not None:  # the last layer ran its output projection and MLP on the kept rows alone
+                if not step.kept:
+                    return step.h[:0]
+                return self._add_norm(step.h[: step.kept], step.x[: step.kept], self.final_norm)[1]
             final = self._add_norm(step.h, step.x, self.final_norm)[1]
             return final if keep is None else final.index_select(0, keep)
         residual: torch.Tensor | None = None  # the last sublayer's output, added to h with the next norm

@@ -11,6 +11,11 @@
  * LoRA adapters ride along the same way: after each product an adapter changes, every adapter of the step adds
  * its rows' deltas with its packed products (kernels/lora.py) on the same entry points, as the Python
  * forward's lora_apply_packed does, instead of the two dozen torch ops a projection costs there.
+ *
+ * Prompt chunks too: a step's rows are its decodes, then each chunk's tokens, and the attention stage calls the
+ * prompt kernels (causal_attention.c) per chunk as the forward does. In a step of prompts the Python forward
+ * gave the interpreter lock up and took it back at each of a layer's dozen kernel calls, and a batch worker's
+ * threads holding it meanwhile slowed those steps most (docs/benchmarks.md, "Batches").
  */
 #include <stdint.h>
 #include <string.h>
@@ -39,6 +44,12 @@ typedef void (*attention_fn)(const void *q, const void *k_cache, const void *v_c
                              int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim, int64_t block_size,
                              int64_t width, float scale, int64_t window, float softcap, int64_t threads);
 typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t threads);
+typedef void (*causal_fn)(const void *q, const void *k, const void *v, void *out, int64_t sq, int64_t sk, int64_t sv,
+                          int64_t T, int64_t hq, int64_t hkv, int64_t D, float scale, int64_t bf16, float *scratch,
+                          int64_t threads);
+typedef void (*prefill_fn)(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out,
+                           int64_t sq, int64_t width, int64_t block, int64_t T, int64_t ctx, int64_t hq, int64_t hkv,
+                           int64_t D, float scale, int64_t bf16, float *scratch, int64_t threads);
 
 typedef struct {
     void *fn;
@@ -95,15 +106,26 @@ typedef struct {
     float eps, scale, softcap; /* softcap 0: none */
     int64_t norm_offset, threads;
     int64_t gemv_rows; /* the most rows `fn` takes; a step of more runs each product's `many` */
+    void *causal, *prefill; /* a prompt chunk's attention (causal_attention.c): fresh, and after cached keys */
 } Model;
 
-/* One step: `rows` tokens, one per sequence; per-layer inputs stacked with the layer first. */
+/* A prompt chunk of a step (rows after the decodes): its queries attend to its own keys (context < 0: nothing
+ * cached before it) or, with its keys already written, to the context + T first entries of its blocks. */
+typedef struct {
+    int64_t start, end;    /* rows [start, end) of the step */
+    int64_t context;       /* keys cached before the chunk, or -1: fresh */
+    const int64_t *tables; /* context >= 0: [L, hkv, width], entry t of every head holding position t */
+    int64_t width;
+} Prompt;
+
+/* One step: `rows` tokens, the first `decodes` of them one per sequence, then the prompt chunks; per-layer
+ * inputs stacked with the layer first. */
 typedef struct {
     int64_t rows, width, block_size;
     const int64_t *positions; /* [rows] */
     const int64_t *slots;     /* [L, hkv, rows] */
-    const int64_t *tables;    /* [L, rows, hkv, width] */
-    const int32_t *lens;      /* [L, rows, hkv] */
+    const int64_t *tables;    /* [L, decodes, hkv, width] */
+    const int32_t *lens;      /* [L, decodes, hkv] */
     void *k_cache, *v_cache;
     int32_t *pos_cache;
     /* buffers: h [rows, hidden] the residual stream (updated in place); x [rows, hidden] the last sublayer's
@@ -112,6 +134,12 @@ typedef struct {
     float *widened; /* rows * (largest k) floats, for the products that widen bf16 x first */
     int64_t has_x;
     const Lora *lora; /* NULL: no row uses an adapter */
+    int64_t decodes;  /* rows [0, decodes) decode one token each */
+    const Prompt *prompts;
+    int64_t n_prompts;
+    float *scratch;      /* the prompt kernel's work space for the largest chunk (hearth_causal_attention) */
+    const int64_t *keep; /* NULL, or the rows (ascending) the last layer's output projection and MLP run on */
+    int64_t kept, last;  /* how many rows keep lists; the last layer's index */
 } Step;
 
 /* y = x W^T (+ bias) on the entry point the Python forward would call for this many rows (the caller only
@@ -128,8 +156,8 @@ static void product_rows(const Model *M, const Matrix *W, const void *x, void *y
     }
 }
 
-static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y) {
-    product_rows(M, W, x, y, S->rows, M->threads, S->widened);
+static void product(const Model *M, const Step *S, const Matrix *W, const void *x, void *y, int64_t m) {
+    product_rows(M, W, x, y, m, M->threads, S->widened);
 }
 
 static const Adapter *adapter(const Lora *A, int64_t slot, int64_t layer, int64_t projection) {
@@ -223,23 +251,61 @@ static void add_adapters(const Model *M, const Step *S, int64_t layer, int64_t p
     hearth_lora_add(M, S->lora, S->widened, layer, projection, x, in, y, out);
 }
 
+/* The attention of every row: the decodes' over their blocks, each prompt chunk's as the forward runs it. S->q
+ * holds the queries, S->qkv the rotated keys and values of the step's own tokens (a fresh chunk reads them there). */
+static void attend(const Model *M, const Layer *L, const Step *S, int64_t index) {
+    const int64_t e = M->elem, d = M->head_dim, hq = M->hq, hkv = M->hkv, n = S->decodes;
+    const int64_t qkv_row = (hq + 2 * hkv) * d, q_row = hq * d;
+    if (n > 0)
+        ((attention_fn)M->attention)(S->q, S->k_cache, S->v_cache, S->pos_cache, S->tables + index * n * hkv * S->width,
+                                     S->lens + index * n * hkv, S->positions, S->attn, n, hq, hkv, d, S->block_size,
+                                     S->width, M->scale, L->window, M->softcap, M->threads);
+    for (int64_t p = 0; p < S->n_prompts; p++) {
+        const Prompt *P = &S->prompts[p];
+        const int64_t T = P->end - P->start;
+        const char *q = (const char *)S->q + P->start * q_row * e, *own = (const char *)S->qkv + P->start * qkv_row * e;
+        void *out = (char *)S->attn + P->start * q_row * e;
+        if (P->context < 0)
+            ((causal_fn)M->causal)(q, own + hq * d * e, own + (hq + hkv) * d * e, out, q_row, qkv_row, qkv_row, T, hq,
+                                   hkv, d, M->scale, e == 2, S->scratch, M->threads);
+        else
+            ((prefill_fn)M->prefill)(q, S->k_cache, S->v_cache, P->tables + index * hkv * P->width, out, q_row,
+                                     P->width, S->block_size, T, P->context, hq, hkv, d, M->scale, e == 2, S->scratch,
+                                     M->threads);
+    }
+}
+
+/* The last layer's output projection and MLP feed only the final states, so they run on the rows the caller
+ * reads (keep, ascending): those rows of h and of the attention output moved to the front. Returns their count. */
+static int64_t keep_rows(const Model *M, Step *S) {
+    const int64_t e = M->elem, hidden = M->hidden * e, q_row = M->hq * M->head_dim * e;
+    for (int64_t i = 0; i < S->kept; i++) {
+        const int64_t r = S->keep[i];
+        if (r == i) continue; /* r > i from here on: the rows never overlap */
+        memcpy((char *)S->h + i * hidden, (const char *)S->h + r * hidden, hidden);
+        memcpy((char *)S->attn + i * q_row, (const char *)S->attn + r * q_row, q_row);
+    }
+    return S->kept;
+}
+
 /* Layer `index` of the decoder (pre-norm attention and SiLU-gated MLP, as DecoderLM.forward runs it). */
 void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index) {
-    const int64_t m = S->rows, e = M->elem, d = M->head_dim, hq = M->hq, hkv = M->hkv;
+    const int64_t e = M->elem, d = M->head_dim, hq = M->hq, hkv = M->hkv;
     const int64_t qkv_row = (hq + 2 * hkv) * d, q_row = hq * d;
     norm_fn norm = (norm_fn)M->norm;
+    int64_t m = S->rows;
 
     norm(S->h, S->has_x ? S->x : NULL, L->input_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
-    product(M, S, &L->qkv, S->normed, S->qkv);
+    product(M, S, &L->qkv, S->normed, S->qkv, m);
     add_adapters(M, S, index, QKV, S->normed, M->hidden, S->qkv, qkv_row);
     ((rope_fn)M->rope)(S->qkv, qkv_row, (char *)S->qkv + (hq + hkv) * d * e, qkv_row, L->cos, L->sin, S->positions,
                        S->slots + index * hkv * m, S->k_cache, S->v_cache, S->pos_cache, m, hq, hkv, d, M->threads);
-    for (int64_t r = 0; r < m; r++) /* the queries of each row, contiguous as the attention kernel reads them */
+    for (int64_t r = 0; r < m; r++) /* the queries of each row, contiguous as the attention kernels read them */
         memcpy((char *)S->q + r * q_row * e, (const char *)S->qkv + r * qkv_row * e, q_row * e);
-    ((attention_fn)M->attention)(S->q, S->k_cache, S->v_cache, S->pos_cache, S->tables + index * m * hkv * S->width,
-                                 S->lens + index * m * hkv, S->positions, S->attn, m, hq, hkv, d, S->block_size,
-                                 S->width, M->scale, L->window, M->softcap, M->threads);
-    product(M, S, &L->o, S->attn, S->x);
+    attend(M, L, S, index);
+    S->has_x = 1;
+    if (S->keep && index == S->last && (m = keep_rows(M, S)) == 0) return; /* no row samples: keys written */
+    product(M, S, &L->o, S->attn, S->x, m);
     add_adapters(M, S, index, O, S->attn, q_row, S->x, M->hidden);
     norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     const Matrix *gu = &L->gate_up;
@@ -251,11 +317,10 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
             ((gemv_widened_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k,
                                                 M->threads, S->widened);
     } else {
-        product(M, S, gu, S->normed, S->gate_up);
+        product(M, S, gu, S->normed, S->gate_up, m);
         add_adapters(M, S, index, GATE_UP, S->normed, M->hidden, S->gate_up, 2 * M->inter);
         ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
     }
-    product(M, S, &L->down, S->act, S->x);
+    product(M, S, &L->down, S->act, S->x, m);
     add_adapters(M, S, index, DOWN, S->act, M->inter, S->x, M->hidden);
-    S->has_x = 1;
 }

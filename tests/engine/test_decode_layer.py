@@ -205,3 +205,48 @@ def test_prompt_chunks_with_adapters_add_their_deltas_in_one_call_a_projection(
         assert not calls, "adapters whose products are not these kernels keep lora_apply_packed"
     monkeypatch.setattr(LoRABatch, "cpu_rows", property(lambda self: None))  # lora_apply_packed's torch ops
     assert here == outputs()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_steps_with_prompt_chunks_run_here_with_the_python_forward_results(isa: str, tiny_models: dict[str, Path],
+                                                                           arch: str, dtype: str) -> None:
+    """Steps that carry prompt chunks (fresh ones, a long prompt's later chunks, prompts after a cached prefix),
+    alone or beside decodes, take the one-call layers where every product of many rows is these kernels, the
+    last layer's output projection and MLP on the sampled rows alone: the Python forward's tokens and logprobs,
+    bit for bit."""
+    config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
+                          max_num_batched_tokens=20)
+    opening = "An opening that several requests share, long enough to fill a few blocks of the cache: "
+    first = [opening + PROMPTS[0]]
+    prompts = [opening + PROMPTS[1], PROMPTS[2], "Short", opening + PROMPTS[2] + " " + PROMPTS[1]]
+
+    def outputs(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        return _outputs(llm, first) + _outputs(llm, prompts)  # the second call reuses the first one's blocks
+
+    here = LLM(tiny_models[arch], config)
+    stack = here.engine.runner.model.decode_stack
+    assert stack.prompts, "these models' prompt chunks run on the C prompt kernels"
+    started: list[tuple[int, int, list[cpu_decode_layer.PromptRows], int | None]] = []
+    start = stack.start
+
+    def recording(h: torch.Tensor, *args: object, **kwargs: object) -> cpu_decode_layer.DecodeStep:
+        step = start(h, *args, **kwargs)
+        started.append((h.shape[0], step.struct.decodes, list(kwargs.get("prompts", ())), step.kept))
+        return step
+
+    stack.start = recording
+    fused = outputs(here)
+    with_prompts = [s for s in started if s[2]]
+    if stack.many_rows:
+        assert any(decodes and rows > decodes for rows, decodes, _, _ in with_prompts), "prompts beside decodes"
+        chunks = [p for _, _, ps, _ in with_prompts for p in ps]
+        assert any(p.context < 0 for p in chunks) and any(p.context > 0 for p in chunks)
+        assert any(kept is not None and kept < rows for rows, _, _, kept in with_prompts)
+        assert any(kept == 0 for _, _, _, kept in with_prompts), "a long prompt's early chunk samples nothing"
+    else:  # products of many rows on oneDNN: only steps of a few rows come here
+        assert all(rows <= cpu_decode_layer.MAX_ROWS for rows, _, _, _ in with_prompts)
+
+    python = LLM(tiny_models[arch], config)
+    python.engine.runner.model.decode_stack = None
+    assert fused == outputs(python)

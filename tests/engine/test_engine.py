@@ -51,32 +51,54 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_llama, reference) -> None:
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
-def test_chunks_after_a_cached_start_take_the_cpu_prompt_kernel(tiny_llama, reference,
+@pytest.mark.parametrize("path", ["python", "one_call"])
+def test_chunks_after_a_cached_start_take_the_cpu_prompt_kernel(tiny_llama, reference, path: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU a prompt split over steps attends with the C prompt kernel from its second chunk on, reading the
-    earlier chunks from the paged pool (kernels/cpu_paged_attention.prefill_attention): the same tokens."""
+    earlier chunks from the paged pool (kernels/cpu_paged_attention.prefill_attention, called by the Python
+    forward or from the one-call layers): the same tokens."""
     from kernels import cpu_paged_attention as cpa
 
     if not cpa.available():
         pytest.skip("the CPU attention kernels cannot be built here")
     chunks: list[int] = []
-    kernel = cpa.prefill_attention
-    monkeypatch.setattr(cpa, "prefill_attention",
-                        lambda q, *args, **kwargs: (chunks.append(q.shape[0]), kernel(q, *args, **kwargs))[1])
     llm = _llm(tiny_llama, device="cpu", max_num_batched_tokens=16, enable_prefix_caching=False)
+    stack = llm.engine.runner.model.decode_stack
+    if path == "python" or stack is None:
+        llm.engine.runner.model.decode_stack = None
+        kernel = cpa.prefill_attention
+        monkeypatch.setattr(cpa, "prefill_attention",
+                            lambda q, *args, **kwargs: (chunks.append(q.shape[0]), kernel(q, *args, **kwargs))[1])
+    else:
+        start = stack.start
+        stack.start = lambda *args, **kwargs: (chunks.extend(p.end - p.start for p in kwargs.get("prompts", ())
+                                                             if p.context > 0), start(*args, **kwargs))[1]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert chunks, "the longest prompt took several chunks"
 
 
-def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products(tiny_model) -> None:
+@pytest.mark.parametrize("path", ["python", "one_call"])
+def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products(tiny_model, path: str) -> None:
     """Only sampled rows read final states, so a prompt's other tokens write their keys and values in the last
-    layer and stop there: prompts split into chunks beside decodes give, at every sampled token, the logprob that
-    scoring the whole sequence at every position gives."""
+    layer and stop there (in the Python forward and in the one-call layers): prompts split into chunks beside
+    decodes give, at every sampled token, the logprob that scoring the whole sequence at every position gives."""
     llm = _llm(tiny_model, max_num_batched_tokens=16, enable_prefix_caching=False)
-    last = llm.engine.model.layers[-1]
+    model = llm.engine.model
     rows = {"first": 0, "last": 0}
-    llm.engine.model.layers[0].o = counting_rows(llm.engine.model.layers[0].o, rows, "first")
-    last.o = counting_rows(last.o, rows, "last")
+    stack = model.decode_stack
+    if path == "python" or stack is None:
+        model.decode_stack = None
+        model.layers[0].o = counting_rows(model.layers[0].o, rows, "first")
+        model.layers[-1].o = counting_rows(model.layers[-1].o, rows, "last")
+    else:  # the rows each step's first and last layer run their output projection on
+        start = stack.start
+
+        def counting(h: torch.Tensor, *args, **kwargs):
+            step = start(h, *args, **kwargs)
+            rows["first"] += h.shape[0]
+            rows["last"] += h.shape[0] if step.kept is None else step.kept
+            return step
+        stack.start = counting
     prompts = [llm.encode(p, raw=True) for p in PROMPTS]
     outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))
     assert rows["last"] < rows["first"] - sum(map(len, prompts)) // 2
