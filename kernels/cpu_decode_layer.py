@@ -80,7 +80,7 @@ class _Step(ctypes.Structure):
                                            "h", "x", "normed", "qkv", "q", "attn", "gate_up", "act", "widened")]
                 + [("has_x", ctypes.c_int64), ("lora", _c), ("decodes", ctypes.c_int64), ("prompts", _c),
                    ("n_prompts", ctypes.c_int64), ("scratch", _c), ("keep", _c), ("kept", ctypes.c_int64),
-                   ("last", ctypes.c_int64)])
+                   ("last", ctypes.c_int64), ("lora_kept", _c)])
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_layer.c's order of a layer's products
@@ -328,17 +328,17 @@ class DecodeStack:
     def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor | None,
               lens: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
               pos_cache: torch.Tensor, adapters: AdapterRows | None = None, prompts: Sequence[PromptRows] = (),
-              keep: torch.Tensor | None = None) -> DecodeStep:
+              keep: torch.Tensor | None = None, kept_adapters: AdapterRows | None = None) -> DecodeStep:
         """h [rows, hidden] (updated in place): the decodes' rows (one per sequence) first, then the prompt chunks'
         (`prompts`, where `self.prompts`); at most MAX_ROWS rows unless `many_rows`. positions [rows]; slots
         [L, Hkv, rows]; the decodes' tables [L, decodes, Hkv, W] and lens [L, decodes, Hkv] (None: no decodes);
         the KV pool's caches ([N, block, D] and [N, block]); the step's LoRA adapters, if any row has one; keep:
-        the rows (ascending, int64) the last layer's output projection and MLP run on, or None for all (not with
-        adapters)."""
+        the rows (ascending, int64) the last layer's output projection and MLP run on, or None for all, and
+        kept_adapters those rows' adapters as rows 0, 1, ... of that layer (LoRABatch.kept; None: none)."""
         m = self.model
         rows = h.shape[0]
         assert (rows <= MAX_ROWS or self.many_rows) and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
-        assert (self.prompts or not prompts) and (keep is None or adapters is None)
+        assert (self.prompts or not prompts) and (keep is not None or kept_adapters is None)
         self.model.threads = torch.get_num_threads()
         positions = positions.to(torch.int64).contiguous()
         slots = slots.to(torch.int64).contiguous()
@@ -372,12 +372,13 @@ class DecodeStack:
             struct.keep, struct.kept, struct.last = keep.data_ptr(), keep.numel(), len(self.layers) - 1
             kept = keep.numel()
             held += (keep,)
-        if adapters is not None:
-            lora, lora_held = adapters.table.scratch(adapters.order, adapters.spans,
-                                                     max(m.hidden, m.hq * m.head_dim, m.inter),
-                                                     max(qkv_width, m.hidden, 2 * m.inter), widest)
-            struct.lora = ctypes.addressof(lora)
-            held += (lora, *lora_held)
+        widest_in, widest_out = max(m.hidden, m.hq * m.head_dim, m.inter), max(qkv_width, m.hidden, 2 * m.inter)
+        for field, rows_adapters in (("lora", adapters), ("lora_kept", kept_adapters)):
+            if rows_adapters is not None:
+                lora, lora_held = rows_adapters.table.scratch(rows_adapters.order, rows_adapters.spans, widest_in,
+                                                              widest_out, widest)
+                setattr(struct, field, ctypes.addressof(lora))
+                held += (lora, *lora_held)
         return DecodeStep(struct, h, x, held, kept)
 
     def _prompts(self, struct: _Step, prompts: Sequence[PromptRows]) -> tuple:

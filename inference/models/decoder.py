@@ -213,8 +213,8 @@ class DecoderLM:
     def _decode_step(self, h: torch.Tensor, batch: AttentionBatch, kv: KVPool,
                      keep: torch.Tensor | None) -> cpu_decode_layer.DecodeStep | None:
         """This step on the one-call layers, or None where it needs the Python forward (adapters whose products
-        are not on its kernels, prompt chunks beside adapters or off the C prompt kernels, sequences being
-        compressed, more rows than the stack's products take)."""
+        are not on its kernels, prompt chunks off the C prompt kernels, sequences being compressed, more rows
+        than the stack's products take). keep: as `forward` takes it, for the last layer."""
         stack = self.decode_stack
         if (stack is None or len(batch.decode_groups) > 1 or (batch.prefills and not stack.prompts)
                 or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not stack.many_rows)
@@ -223,17 +223,20 @@ class DecoderLM:
         group = batch.decode_groups[0] if batch.decode_groups else None
         if group is not None and group.observers is not None:
             return None
-        if batch.prefills:
-            prompts = self._prompt_rows(batch)
-            if prompts is None or batch.lora is not None:
+        prompts = self._prompt_rows(batch)
+        if prompts is None or not (group or prompts) or (keep is not None and not bool((keep[1:] > keep[:-1]).all())):
+            return None  # (the layers move kept rows forward in place: ascending only)
+        lora = batch.lora
+        adapters = kept_adapters = None
+        if lora is not None:
+            adapters = lora.slots.one_call(lora)
+            kept = lora.kept(keep) if keep is not None else None
+            kept_adapters = kept.slots.one_call(kept) if kept is not None else None
+            if adapters is None or (kept is not None and kept_adapters is None):
                 return None
-            return stack.start(h, batch.positions, batch.slots, group.block_tables if group else None,
-                               group.kv_lens if group else None, kv.k, kv.v, kv.pos, prompts=prompts, keep=keep)
-        adapters = batch.lora.slots.one_call(batch.lora) if batch.lora is not None else None
-        if group is None or (batch.lora is not None and adapters is None):
-            return None
-        return stack.start(h, batch.positions, batch.slots, group.block_tables, group.kv_lens,
-                           kv.k, kv.v, kv.pos, adapters)
+        return stack.start(h, batch.positions, batch.slots, group.block_tables if group else None,
+                           group.kv_lens if group else None, kv.k, kv.v, kv.pos, adapters, prompts=prompts,
+                           keep=keep, kept_adapters=kept_adapters)
 
     @staticmethod
     def _prompt_rows(batch: AttentionBatch) -> list[cpu_decode_layer.PromptRows] | None:
@@ -283,7 +286,7 @@ class DecoderLM:
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        step = self._decode_step(h, batch, kv, keep if batch.prefills else None)
+        step = self._decode_step(h, batch, kv, keep)
         if step is not None:
             for index in range(self.num_layers):
                 if between_layers is not None:
@@ -293,8 +296,7 @@ class DecoderLM:
                 if not step.kept:
                     return step.h[:0]
                 return self._add_norm(step.h[: step.kept], step.x[: step.kept], self.final_norm)[1]
-            final = self._add_norm(step.h, step.x, self.final_norm)[1]
-            return final if keep is None else final.index_select(0, keep)
+            return self._add_norm(step.h, step.x, self.final_norm)[1]
         residual: torch.Tensor | None = None  # the last sublayer's output, added to h with the next norm
         for index, layer in enumerate(self.layers):
             if between_layers is not None:

@@ -140,6 +140,7 @@ typedef struct {
     float *scratch;      /* the prompt kernel's work space for the largest chunk (hearth_causal_attention) */
     const int64_t *keep; /* NULL, or the rows (ascending) the last layer's output projection and MLP run on */
     int64_t kept, last;  /* how many rows keep lists; the last layer's index */
+    const Lora *lora_kept; /* with keep: the adapters of the kept rows, in their new places (NULL: none) */
 } Step;
 
 /* y = x W^T (+ bias) on the entry point the Python forward would call for this many rows (the caller only
@@ -246,9 +247,9 @@ void hearth_lora_add(const Model *M, const Lora *A, float *widened, int64_t laye
     }
 }
 
-static void add_adapters(const Model *M, const Step *S, int64_t layer, int64_t projection, const void *x,
-                         int64_t in, void *y, int64_t out) {
-    hearth_lora_add(M, S->lora, S->widened, layer, projection, x, in, y, out);
+static void add_adapters(const Model *M, const Step *S, const Lora *lora, int64_t layer, int64_t projection,
+                         const void *x, int64_t in, void *y, int64_t out) {
+    hearth_lora_add(M, lora, S->widened, layer, projection, x, in, y, out);
 }
 
 /* The attention of every row: the decodes' over their blocks, each prompt chunk's as the forward runs it. S->q
@@ -294,22 +295,26 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
     const int64_t qkv_row = (hq + 2 * hkv) * d, q_row = hq * d;
     norm_fn norm = (norm_fn)M->norm;
     int64_t m = S->rows;
+    const Lora *lora = S->lora;
 
     norm(S->h, S->has_x ? S->x : NULL, L->input_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     product(M, S, &L->qkv, S->normed, S->qkv, m);
-    add_adapters(M, S, index, QKV, S->normed, M->hidden, S->qkv, qkv_row);
+    add_adapters(M, S, lora, index, QKV, S->normed, M->hidden, S->qkv, qkv_row);
     ((rope_fn)M->rope)(S->qkv, qkv_row, (char *)S->qkv + (hq + hkv) * d * e, qkv_row, L->cos, L->sin, S->positions,
                        S->slots + index * hkv * m, S->k_cache, S->v_cache, S->pos_cache, m, hq, hkv, d, M->threads);
     for (int64_t r = 0; r < m; r++) /* the queries of each row, contiguous as the attention kernels read them */
         memcpy((char *)S->q + r * q_row * e, (const char *)S->qkv + r * qkv_row * e, q_row * e);
     attend(M, L, S, index);
     S->has_x = 1;
-    if (S->keep && index == S->last && (m = keep_rows(M, S)) == 0) return; /* no row samples: keys written */
+    if (S->keep && index == S->last) {
+        lora = S->lora_kept;
+        if ((m = keep_rows(M, S)) == 0) return; /* no row samples: the keys and values are written */
+    }
     product(M, S, &L->o, S->attn, S->x, m);
-    add_adapters(M, S, index, O, S->attn, q_row, S->x, M->hidden);
+    add_adapters(M, S, lora, index, O, S->attn, q_row, S->x, M->hidden);
     norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     const Matrix *gu = &L->gate_up;
-    if (m > M->gemv_rows && L->gate_up_silu && !(S->lora && lora_adapted(S->lora, index, GATE_UP))) {
+    if (m > M->gemv_rows && L->gate_up_silu && !(lora && lora_adapted(lora, index, GATE_UP))) {
         /* the products and SiLU * up in one pass, as the forward does */
         if (gu->kind == GEMV_F32)
             ((gemv_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k, M->threads);
@@ -318,9 +323,9 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
                                                 M->threads, S->widened);
     } else {
         product(M, S, gu, S->normed, S->gate_up, m);
-        add_adapters(M, S, index, GATE_UP, S->normed, M->hidden, S->gate_up, 2 * M->inter);
+        add_adapters(M, S, lora, index, GATE_UP, S->normed, M->hidden, S->gate_up, 2 * M->inter);
         ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
     }
     product(M, S, &L->down, S->act, S->x, m);
-    add_adapters(M, S, index, DOWN, S->act, M->inter, S->x, M->hidden);
+    add_adapters(M, S, lora, index, DOWN, S->act, M->inter, S->x, M->hidden);
 }

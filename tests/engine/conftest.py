@@ -111,3 +111,22 @@ def counting_rows(product, rows: dict[str, int], name: str):
         rows[name] += x.shape[0]
         return product(x)
     return run
+
+
+def counting_layer_rows(model, path: str, rows: dict[str, int]) -> None:
+    """Counts the rows the first and the last layer's output projections run on (rows["first"], rows["last"]),
+    in the Python forward (path "python": the one-call layers switched off) or in the one-call layers' steps."""
+    stack = model.decode_stack
+    if path == "python" or stack is None:
+        model.decode_stack = None
+        model.layers[0].o = counting_rows(model.layers[0].o, rows, "first")
+        model.layers[-1].o = counting_rows(model.layers[-1].o, rows, "last")
+        return
+    start = stack.start
+
+    def counting(h: torch.Tensor, *args, **kwargs):
+        step = start(h, *args, **kwargs)
+        rows["first"] += h.shape[0]
+        rows["last"] += h.shape[0] if step.kept is None else step.kept
+        return step
+    stack.start = counting

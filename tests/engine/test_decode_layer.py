@@ -250,3 +250,52 @@ def test_steps_with_prompt_chunks_run_here_with_the_python_forward_results(isa: 
     python = LLM(tiny_models[arch], config)
     python.engine.runner.model.decode_stack = None
     assert fused == outputs(python)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_with_prompt_chunks_and_adapters_run_here_with_the_python_forward_results(
+        isa: str, tiny_models: dict[str, Path], dtype: str, tmp_path: Path) -> None:
+    """Prompt chunks and decodes whose rows use LoRA adapters (and rows on the base model beside them) take the
+    one-call layers where the adapters' products are these kernels; in the last layer the sampled rows keep
+    their adapters in their new places: the Python forward's tokens and logprobs, bit for bit."""
+    from inference import LoRARequest
+    from inference.config import default_dtype
+    from tests.lora_support import make_peft_adapter
+
+    base = tiny_models["qwen2"]
+    shapes = [(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+              (4, ("o_proj", "down_proj")), (16, ("q_proj", "gate_proj", "up_proj"))]
+    adapters = [LoRARequest(f"m{i}", make_peft_adapter(base, tmp_path / f"m{i}", rank=rank, alpha=2 * rank,
+                                                        targets=targets, seed=int(torch.randint(0, 2**31 - 1, ()))))
+                for i, (rank, targets) in enumerate(shapes)]
+    config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
+                          enable_prefix_caching=False, max_loras=4, max_num_batched_tokens=20)
+    prompts = [*PROMPTS, "A fourth prompt on the base model alone, long enough to span chunks of the step"]
+    choice = [*adapters, None]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    def outputs(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        ids = [llm.encode(p, raw=True) for p in prompts]
+        return [(o.token_ids, [lp.logprob for lp in o.all_logprobs]) for o in llm.generate_ids(ids, params, choice)]
+
+    here = LLM(base, config)
+    stack = here.engine.runner.model.decode_stack
+    started: list[tuple[bool, bool, bool]] = []  # prompts, adapters, kept rows' adapters
+    start = stack.start
+
+    def recording(*args: object, **kwargs: object) -> cpu_decode_layer.DecodeStep:
+        step = start(*args, **kwargs)
+        started.append((bool(kwargs["prompts"]), bool(step.struct.lora), bool(step.struct.lora_kept)))
+        return step
+
+    stack.start = recording
+    fused = outputs(here)
+    native = dtype == "float32" or (default_dtype("cpu") == torch.bfloat16 and here.engine.runner.model.layers[0].qkv.gemm)
+    if native and stack.many_rows:
+        assert (True, True, True) in started, "prompt chunks beside adapted rows, sampled rows with adapters"
+    else:
+        assert not any(p and lora for p, lora, _ in started)
+
+    python = LLM(base, config)
+    python.engine.runner.model.decode_stack = None
+    assert fused == outputs(python)

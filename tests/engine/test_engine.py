@@ -16,7 +16,7 @@ from inference import (
     PromptTooLongError,
     SamplingParams,
 )
-from tests.engine.conftest import SMOLLM, counting_rows, require_installed
+from tests.engine.conftest import SMOLLM, counting_layer_rows, require_installed
 
 PROMPTS = [
     "The capital of France is",
@@ -85,20 +85,7 @@ def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products(tiny_mo
     llm = _llm(tiny_model, max_num_batched_tokens=16, enable_prefix_caching=False)
     model = llm.engine.model
     rows = {"first": 0, "last": 0}
-    stack = model.decode_stack
-    if path == "python" or stack is None:
-        model.decode_stack = None
-        model.layers[0].o = counting_rows(model.layers[0].o, rows, "first")
-        model.layers[-1].o = counting_rows(model.layers[-1].o, rows, "last")
-    else:  # the rows each step's first and last layer run their output projection on
-        start = stack.start
-
-        def counting(h: torch.Tensor, *args, **kwargs):
-            step = start(h, *args, **kwargs)
-            rows["first"] += h.shape[0]
-            rows["last"] += h.shape[0] if step.kept is None else step.kept
-            return step
-        stack.start = counting
+    counting_layer_rows(model, path, rows)
     prompts = [llm.encode(p, raw=True) for p in PROMPTS]
     outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))
     assert rows["last"] < rows["first"] - sum(map(len, prompts)) // 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference import LLM, EngineConfig, GenerationRequest, InvalidRequestError, LoRARequest, SamplingParams
-from tests.engine.conftest import SMOLLM, counting_rows, require_installed
+from tests.engine.conftest import SMOLLM, counting_layer_rows, require_installed
 from tests.engine.test_parity import PROMPTS
 from tests.lora_support import make_peft_adapter, peft_reference
 
@@ -124,17 +124,18 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(tiny_adapters: list
     assert len({tuple(t) for t in same}) == len(adapters)
 
 
+@pytest.mark.parametrize("path", ["python", "one_call"])
 def test_prompt_tokens_that_sample_nothing_skip_the_last_layers_products_with_adapters(
-        tiny_base: Path, tiny_adapters: list[LoRARequest]) -> None:
-    """A step's adapters follow the rows its last layer keeps (the rows that sample): prompts in chunks beside
-    decodes, adapters mixed with the base model, give at every sampled token the logprob that scoring the whole
-    sequence under its adapter at every position gives, with the last layer's products on fewer rows."""
+        tiny_base: Path, tiny_adapters: list[LoRARequest], path: str) -> None:
+    """A step's adapters follow the rows its last layer keeps (the rows that sample), in the Python forward and in
+    the one-call layers: prompts in chunks beside decodes, adapters mixed with the base model, give at every
+    sampled token the logprob that scoring the whole sequence under its adapter at every position gives, with
+    the last layer's products on fewer rows."""
     llm = LLM(tiny_base, EngineConfig(dtype="float32", kv_cache_memory="32MiB", max_loras=4, max_num_batched_tokens=16,
                                       enable_prefix_caching=False))
     model = llm.engine.model
     rows = {"first": 0, "last": 0}
-    model.layers[0].o = counting_rows(model.layers[0].o, rows, "first")
-    model.layers[-1].o = counting_rows(model.layers[-1].o, rows, "last")
+    counting_layer_rows(model, path, rows)
     prompts = [llm.encode(p, raw=True) for p in PROMPTS[:6]]
     choice = [[*tiny_adapters[:3], None][i % 4] for i in range(len(prompts))]
     outs = llm.generate_ids(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1),
