@@ -15,8 +15,8 @@ is also one of these kernels (cpu_gemv's gemm where the layers route products of
 own kernel at any row count; `many_rows`); otherwise (products of many rows on oneDNN) those steps keep the
 Python forward. Steps with LoRA adapters run here too where every adapter present has its products on these
 kernels in the activations' dtype (`AdapterTable`): each adapted projection adds its rows' deltas in C. Steps
-with prompt chunks (`PromptRows`) run here where the stack was built with `prompts` (the forward runs this model's
-prompt attention on the C prompt kernels) and no row uses an adapter.
+with prompt chunks (`PromptRows`) run here, adapters included, where the stack was built with `prompts` (the
+forward runs this model's prompt attention on the C prompt kernels).
 """
 
 from __future__ import annotations
