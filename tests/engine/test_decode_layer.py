@@ -37,6 +37,16 @@ def _outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]
     return [(out.token_ids, [lp.logprob for lp in out.all_logprobs]) for out in llm.generate(prompts, params)]
 
 
+def _fresh_adapters(base: Path, root: Path, tag: str, shapes: list[tuple[int, tuple[str, ...]]]) -> list:
+    """One PEFT adapter per (rank, targets) of `shapes` on `base`, each with fresh random weights."""
+    from inference import LoRARequest
+    from tests.lora_support import make_peft_adapter
+
+    return [LoRARequest(f"{tag}{i}", make_peft_adapter(base, root / f"{tag}{i}", rank=rank, alpha=2 * rank,
+                                                       targets=targets, seed=int(torch.randint(0, 2**31 - 1, ()))))
+            for i, (rank, targets) in enumerate(shapes)]
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -168,17 +178,13 @@ def test_prompt_chunks_with_adapters_add_their_deltas_in_one_call_a_projection(
         isa: str, tiny_models: dict[str, Path], dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompt chunks (the Python forward) whose rows use adapters on these kernels add each projection's deltas in
     one C call (LoraRows) instead of lora_apply_packed's torch ops: the same tokens and logprobs, bit for bit."""
-    from inference import LoRARequest
     from inference.config import default_dtype
     from inference.lora.slots import LoRABatch
-    from tests.lora_support import make_peft_adapter
 
     base = tiny_models["qwen2"]
     shapes = [(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
               (4, ("q_proj", "v_proj")), (16, ("o_proj", "gate_proj", "down_proj"))]
-    adapters = [LoRARequest(f"p{i}", make_peft_adapter(base, tmp_path / f"p{i}", rank=rank, alpha=2 * rank,
-                                                        targets=targets, seed=int(torch.randint(0, 2**31 - 1, ()))))
-                for i, (rank, targets) in enumerate(shapes)]
+    adapters = _fresh_adapters(base, tmp_path, "p", shapes)
     config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
                           enable_prefix_caching=False, max_loras=4, max_num_batched_tokens=24)
     prompts = [*PROMPTS, "A fourth prompt on the base model alone, long enough to span chunks of the step"]
@@ -258,16 +264,12 @@ def test_steps_with_prompt_chunks_and_adapters_run_here_with_the_python_forward_
     """Prompt chunks and decodes whose rows use LoRA adapters (and rows on the base model beside them) take the
     one-call layers where the adapters' products are these kernels; in the last layer the sampled rows keep
     their adapters in their new places: the Python forward's tokens and logprobs, bit for bit."""
-    from inference import LoRARequest
     from inference.config import default_dtype
-    from tests.lora_support import make_peft_adapter
 
     base = tiny_models["qwen2"]
     shapes = [(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
               (4, ("o_proj", "down_proj")), (16, ("q_proj", "gate_proj", "up_proj"))]
-    adapters = [LoRARequest(f"m{i}", make_peft_adapter(base, tmp_path / f"m{i}", rank=rank, alpha=2 * rank,
-                                                        targets=targets, seed=int(torch.randint(0, 2**31 - 1, ()))))
-                for i, (rank, targets) in enumerate(shapes)]
+    adapters = _fresh_adapters(base, tmp_path, "m", shapes)
     config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
                           enable_prefix_caching=False, max_loras=4, max_num_batched_tokens=20)
     prompts = [*PROMPTS, "A fourth prompt on the base model alone, long enough to span chunks of the step"]
