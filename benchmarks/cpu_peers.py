@@ -9,6 +9,9 @@ so drift on a shared machine hits both alike; ratios are taken within each pair,
 of those ratios are reported. Hearth also runs with weight-only int8 weights (`quantization: "int8"`) in the same
 pairs, as rows of their own against the same vLLM runs (HEARTH_PEERS_INT8=0 leaves them out); their quality cost
 is measured by `python -m inference.eval.quant`.
+
+A single stream's ceiling is the memory's read rate over the weight bytes a decode step reads, each process's
+tokens/s against the rate measured next to its own passes (`peers.memory_probe`), and the median of those shares.
 """
 
 from __future__ import annotations
@@ -83,6 +86,18 @@ def weight_bytes(model_dir: str, dtype: str) -> int:
     return sum(sizes.values()) * BYTES_PER_WEIGHT[dtype]
 
 
+def ceiling_shares(probes: list[dict[str, float]], weight_bytes: int) -> dict[str, float] | None:
+    """Median share of the ceiling over processes, each process against the rates measured beside its own passes:
+    `read` (the memory's read rate: a decode step only reads) and `copy` (bytes read + written), and the read
+    ceiling itself in tokens/s. None when no process measured (an older peers.py)."""
+    if not probes:
+        return None
+    per = {kind: [p["tok_s"] * weight_bytes / (p[kind] * 1e9) for p in probes] for kind in ("read", "copy")}
+    return {"read": statistics.median(per["read"]), "copy": statistics.median(per["copy"]),
+            "ceiling_tok_s": statistics.median(p["read"] * 1e9 / weight_bytes for p in probes),
+            "read_gbs": statistics.median(p["read"] for p in probes)}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     from benchmarks.engine import memory_bandwidth_gbs
     from inference.models.catalog import model_path
@@ -102,6 +117,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         workloads = WORKLOADS if model != QWEN or qwen == "1" else [w for w in WORKLOADS if w in qwen.split(",")]
         for workload in workloads:
             runs: dict[str, list[float]] = {"hearth": [], "hearth_int8": [], "vllm": [], "transformers": []}
+            probes: dict[str, list[dict[str, float]]] = {"hearth": [], "hearth_int8": [], "vllm": []}
             versions: dict[str, str] = {}
             for _ in range(pairs):
                 engines = [("hearth", sys.executable)] + ([("hearth_int8", sys.executable)] if int8 else []) \
@@ -111,6 +127,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                 for engine, python in engines:
                     r = _once(python, engine, workload, model, model_dir, threads, new_tokens, dtype)
                     runs[engine].append(r["tok_s"])
+                    if engine in probes and "read_gbs" in r:
+                        probes[engine].append({"tok_s": r["tok_s"], "read": r["read_gbs"], "copy": r["copy_gbs"]})
                     versions[engine] = r["version"]
             bandwidths.append(memory_bandwidth_gbs())
             for engine, bytes_as in (("hearth", dtype), ("hearth_int8", "int8")):
@@ -122,12 +140,28 @@ def run(quick: bool = False) -> dict[str, Any]:
                 rows.append({"model": model, "dtype": dtype, "workload": workload, "versions": versions,
                              "quantization": "int8" if engine == "hearth_int8" else "none", "runs": own,
                              "weight_bytes": weight_bytes(model_dir, bytes_as),
+                             "probes": {"hearth": probes[engine], "vllm": probes["vllm"]},
                              "median": {k: statistics.median(v) for k, v in own.items() if v},
                              "ratio": statistics.median(ratios) if ratios else None,
                              "ratio_range": [min(ratios), max(ratios)] if ratios else None})
     return {"rows": rows, "pairs": pairs, "threads": threads, "new_tokens": new_tokens, "flags": ", ".join(flags),
             "peer": bool(peer), "bandwidth_gbs": statistics.median(bandwidths),
             "malloc": os.environ.get("GLIBC_TUNABLES", "")}
+
+
+def _ceiling_cell(row: dict[str, Any], bandwidth: float | None) -> str:
+    probes = row.get("probes", {})
+    ours = ceiling_shares(probes.get("hearth", []), row["weight_bytes"])
+    if ours is None:  # a run from before the probes: the run's median copy rate, as then
+        if not bandwidth:
+            return "—"
+        top = bandwidth * 1e9 / row["weight_bytes"]
+        return f"{top:.0f} ({row['median']['hearth'] / top:.0%} of copy)"
+    # vLLM reads its weights in the row's dtype; int8 rows' byte count is Hearth's, so vLLM's share is left out.
+    theirs = ceiling_shares(probes.get("vllm", []), row["weight_bytes"]) if row.get("quantization") != "int8" else None
+    vllm = f" / {theirs['read']:.0%}" if theirs else ""
+    return (f"{ours['ceiling_tok_s']:.0f} at {ours['read_gbs']:.0f} GB/s ({ours['read']:.0%}{vllm}; "
+            f"copy {ours['copy']:.0%})")
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -143,11 +177,15 @@ def markdown(r: dict[str, Any]) -> str:
         lines += ["vLLM's CPU venv was not found (VLLM_PYTHON), so Hearth runs alone here.", ""]
     bandwidth = r.get("bandwidth_gbs")
     if bandwidth:
-        lines += [f"Ceiling of a single stream: copy bandwidth (bytes read + written, median over the run: "
-                  f"{bandwidth:.1f} GB/s) over the weight bytes one decode step reads; the share is Hearth's.", ""]
+        lines += ["Ceiling of a single stream: the memory's read rate, measured in each engine's process beside its "
+                  "timed passes, over the weight bytes one decode step reads; shares are medians over processes, "
+                  "Hearth's then vLLM's, each against its own process's rate (the share of the copy rate, bytes "
+                  "read + written, follows; it reads high because a copy's count leaves out the lines its stores "
+                  f"read first). Copy rate between workloads, median over the run: {bandwidth:.1f} GB/s.", ""]
     lines += ["Rows marked int8 weights are Hearth with weight-only int8 weights (activations in the row's dtype) against "
               "vLLM unquantized in that dtype, from the same pairs; their ceiling counts one byte per weight.", "",
-              "| model | dtype | workload | Hearth | vLLM CPU | Hearth / vLLM | transformers | ceiling (share) |",
+              "| model | dtype | workload | Hearth | vLLM CPU | Hearth / vLLM | transformers | "
+              "ceiling (share: Hearth / vLLM; Hearth of copy) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["rows"]:
         m = row["median"]
@@ -156,9 +194,8 @@ def markdown(r: dict[str, Any]) -> str:
         peer = f"{m['vllm']:.1f}" if "vllm" in m else "—"
         hf = f"{m['transformers']:.1f}" if "transformers" in m else "—"
         ceiling = "—"
-        if bandwidth and row["workload"] == "single" and row.get("weight_bytes"):
-            top = bandwidth * 1e9 / row["weight_bytes"]
-            ceiling = f"{top:.0f} ({m['hearth'] / top:.0%})"
+        if row["workload"] == "single" and row.get("weight_bytes"):
+            ceiling = _ceiling_cell(row, bandwidth)
         dtype = row.get("dtype", "float32") + (", int8 weights" if row.get("quantization") == "int8" else "")
         lines.append(f"| {row['model']} | {dtype} | {names[row['workload']]} | {m['hearth']:.1f} | "
                      f"{peer} | {ratio} | {hf} | {ceiling} |")

@@ -9,8 +9,10 @@ ENGINE is hearth (this checkout's engine), vllm (vLLM's CPU build, in its own ve
 tokenizer, so every engine sees the identical work. The script needs only the standard library, the engine
 under test and a tokenizer: it must run in vLLM's venv, which has none of Hearth's dependencies.
 
-Each process loads, warms up on the same workload, then times RUNS passes and prints their median.
-`benchmarks/cpu_peers.py` alternates these processes and keeps the medians.
+Each process loads, warms up on the same workload, then times RUNS passes and prints their median. Next to every
+timed pass it measures the memory's speed (a read and a copy, `memory_probe`), so a single stream's share of the
+bandwidth ceiling is taken against what the machine gave that very process: on a VM the rate can swing by 1.7x
+within minutes. `benchmarks/cpu_peers.py` alternates these processes and keeps the medians.
 """
 
 from __future__ import annotations
@@ -29,6 +31,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.workloads import concurrent_prompts, text_of_tokens  # noqa: E402
 
 RUNS = 3
+# Far past any L3 of these machines, so the probe measures memory, not cache (tests set less).
+PROBE_MIB = int(os.environ.get("HEARTH_PEERS_PROBE_MIB", "512"))
+
+
+def memory_probe(threads: int, rounds: int = 5) -> Callable[[], dict[str, float]]:
+    """A probe of the memory's speed on `threads` threads, GB/s over the median of `rounds`: `read` sums a buffer
+    (a decode step only reads its weights, so this is its ceiling), `copy` counts bytes read plus written (the
+    issue's first measure; it leaves out the destination lines a store reads first, so it reads low). The buffers
+    are made once, so probing between passes neither grows the process nor faults in fresh pages."""
+    import torch
+
+    src = torch.ones(PROBE_MIB * 2**20 // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+
+    def probe() -> dict[str, float]:
+        before = torch.get_num_threads()  # vLLM sets its own; put it back so its passes are not changed
+        torch.set_num_threads(threads)
+        try:
+            rates: dict[str, list[float]] = {"read": [], "copy": []}
+            for _ in range(rounds):
+                start = time.perf_counter()
+                src.sum()
+                rates["read"].append(src.nbytes / (time.perf_counter() - start) / 1e9)
+                start = time.perf_counter()
+                dst.copy_(src)
+                rates["copy"].append(2 * src.nbytes / (time.perf_counter() - start) / 1e9)
+            return {kind: statistics.median(values) for kind, values in rates.items()}
+        finally:
+            torch.set_num_threads(before)
+
+    return probe
 
 
 def prompts_for(tokenizer, workload: str) -> list[list[int]]:
@@ -112,16 +145,20 @@ def main() -> None:
     prompts = prompts_for(AutoTokenizer.from_pretrained(args.model_dir), args.workload)
     go, version = ENGINES[args.engine](args, prompts)
     first = go()  # warm-up: kernels chosen, caches sized, pages touched
-    seconds = []
+    memory_gbs = memory_probe(args.threads)
+    seconds, probes = [], [memory_gbs()]
     for _ in range(RUNS):
         start = time.perf_counter()
         out = go()
         seconds.append(time.perf_counter() - start)
+        probes.append(memory_gbs())
     tokens = sum(len(o) for o in out)
     print(json.dumps({"engine": args.engine, "workload": args.workload, "version": version, "dtype": args.dtype,
                       "quantization": args.quantization,
                       "threads": args.threads, "requests": len(prompts), "output_tokens": tokens,
                       "tok_s": tokens / statistics.median(seconds), "runs_s": seconds,
+                      "read_gbs": statistics.median(p["read"] for p in probes),
+                      "copy_gbs": statistics.median(p["copy"] for p in probes),
                       "greedy_first": first[0][:16]}))
 
 
