@@ -36,6 +36,7 @@ from typing import Any
 import jsonschema
 import torch
 
+from benchmarks.machine import cpu_label
 from inference import LLM, EngineConfig, GenerationRequest, RequestOutput, SamplingParams
 from inference.constrained import Constraint
 from inference.constrained.grammar import GrammarCache
@@ -311,25 +312,13 @@ def validity(llm: LLM, tasks: list[Task], batch: int = 32) -> dict:
     return {"tasks": len(tasks), **out}
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(wanted) or 'no AVX2'})"
-
-
 def run(quick: bool = False) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     runs = 1 if quick else 3
     concurrent = 8 if quick else 32
     single = 2 if quick else 4
     eval_tasks = 8 if quick else 50
-    result: dict[str, Any] = {"cpu": _cpu(), "threads": torch.get_num_threads(), "quick": quick, "models": {}}
+    result: dict[str, Any] = {"cpu": cpu_label(), "threads": torch.get_num_threads(), "quick": quick, "models": {}}
     for model in (SMOLLM, QWEN):
         llm = _llm(model)
         entry: dict[str, Any] = {"dtype": str(llm.engine.model.dtype).removeprefix("torch."),

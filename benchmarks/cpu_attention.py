@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.cpu_peers import cpu_flags, dtypes
+from benchmarks.cpu_peers import dtypes
 from benchmarks.engine import memory_bandwidth_gbs
+from benchmarks.machine import cpu_flags
 from benchmarks.workloads import alternating_pairs, concurrent_prompts, mean_seconds
 from inference import LLM, EngineConfig, SamplingParams, memory
 from inference.models.catalog import DEFAULT_MODEL

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cpu_peers import cpu_flags
+from benchmarks.machine import cpu_flags
 from benchmarks.workloads import concurrent_prompts, mean_seconds, switched_passes
 from inference import LLM, EngineConfig, SamplingParams
 from inference.models import layers

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.machine import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "peers.py"
@@ -54,15 +55,6 @@ def _once(python: str, engine: str, workload: str, model: str, model_dir: str, t
         if line.startswith("{"):
             return json.loads(line)
     raise RuntimeError(f"{engine} {workload} failed:\n{out.stdout[-1500:]}\n{out.stderr[-3000:]}")
-
-
-def cpu_flags() -> list[str]:
-    try:
-        line = next(row for row in Path("/proc/cpuinfo").read_text().splitlines() if row.startswith("flags"))
-    except (OSError, StopIteration):
-        return [platform.machine()]
-    have = set(line.split(":", 1)[-1].split())
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
 
 
 def dtypes(flags: list[str]) -> list[str]:

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.cpu_peers import QWEN, cpu_flags, dtypes
+from benchmarks.cpu_peers import QWEN, dtypes
 from benchmarks.engine import memory_bandwidth_gbs, weight_bytes_per_token
+from benchmarks.machine import cpu_flags
 from benchmarks.workloads import concurrent_prompts, switched_passes, text_of_tokens
 from inference import LLM, EngineConfig, SamplingParams
 from inference.models.catalog import DEFAULT_MODEL

@@ -1,4 +1,5 @@
-"""`make bench`: run every benchmark and rewrite docs/benchmarks.md with the figures and the command.
+"""`make bench`: run every benchmark and rewrite its section of docs/benchmarks.md with the figures, the command
+and the CPU (family, model and the flags that pick the kernels), each section as soon as it is done.
 
     python -m benchmarks.run [--only engine|speculation|api|db_pool|batch|kv|kernels|dashboard|lora|constrained|fleet|fleet_scaling|cpu_peers|decode_layer|cpu_attention|cpu_gemm|quant] [--quick]
 
@@ -10,17 +11,20 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from benchmarks.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+HEADER = ("# Benchmarks\n\nFigures from `make bench` (`python -m benchmarks.run`). The machine is shared and noisy:"
+          " every comparison is side by side in one run, and ratios are what to read. Medians of repeated runs.\n")
 SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative decoding (CPU)",
             "api": "Control plane API", "db_pool": "PostgreSQL's session pool: request latency",
-"batch": "Batches: interactive latency and batch throughput",
+            "batch": "Batches: interactive latency and batch throughput",
             "kv": "KV-cache compression (CPU)", "dashboard": "Dashboard pages with 1,000,000 usage events",
             "lora": "LoRA adapters: many in one batch (CPU)",
             "constrained": "Grammar-constrained decoding (CPU)",
@@ -32,17 +36,6 @@ SECTIONS = {"engine": "Engine (SmolLM2-135M, CPU)", "speculation": "Speculative 
             "cpu_gemm": "CPU GEMM of many rows against oneDNN (fp32, bf16)",
             "quant": "Weight-only int8: quality against fp32 (CPU)",
             "kernels": "Triton kernels against their torch references (CUDA)"}
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def _run_one(name: str, quick: bool) -> dict:
@@ -63,22 +56,36 @@ def _replace_section(text: str, name: str, body: str) -> str:
     return text.rstrip() + f"\n\n## {SECTIONS[name]}\n\n{block}\n"
 
 
+def run_sections(names: list[str], quick: bool, doc: Path = DOC,
+                 run_one: Callable[[str, bool], dict] = _run_one) -> list[str]:
+    """Run each benchmark and put its section into `doc` as soon as it is done: `make bench` takes hours, and a
+    section that fails (or a Ctrl-C) must not cost the figures of those before it. A failed section keeps its old
+    figures and the others go on. Returns the names that failed."""
+    failed: list[str] = []
+    for name in names:
+        try:
+            report = run_one(name, quick)
+        except Exception as error:  # noqa: BLE001 - any failure of one benchmark is reported, then the rest run
+            print(f"benchmark {name} failed; its section keeps its old figures:\n{error}", file=sys.stderr)
+            failed.append(name)
+            continue
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = f"python -m benchmarks.run --only {name}" + (" --quick" if quick else "")
+        body = f"Run {stamp} on {describe()} with `{command}`.\n\n{report['markdown']}"
+        text = doc.read_text() if doc.exists() else HEADER
+        doc.write_text(_replace_section(text, name, body))
+        print(body, "\n", flush=True)
+    return failed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append")
     parser.add_argument("--quick", action="store_true", help="smaller engine workloads (a smoke run)")
     args = parser.parse_args()
-    text = DOC.read_text() if DOC.exists() else (
-        "# Benchmarks\n\nFigures from `make bench` (`python -m benchmarks.run`). The machine is shared and noisy:"
-        " every comparison is side by side in one run, and ratios are what to read. Medians of repeated runs.\n")
-    for name in args.only or list(SECTIONS):
-        report = _run_one(name, args.quick)
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = f"python -m benchmarks.run --only {name}" + (" --quick" if args.quick else "")
-        body = f"Run {stamp} on {_machine()} with `{command}`.\n\n{report['markdown']}"
-        text = _replace_section(text, name, body)
-        print(body, "\n")
-    DOC.write_text(text)
+    failed = run_sections(args.only or list(SECTIONS), args.quick)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
