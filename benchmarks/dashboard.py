@@ -43,7 +43,7 @@ def _setup_django(postgres: bool, workdir: Path) -> str:
         import psycopg
 
         with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {PG_DB}")
+            conn.execute(f"DROP DATABASE IF EXISTS {PG_DB} WITH (FORCE)")
             conn.execute(f"CREATE DATABASE {PG_DB}")
         os.environ["DATABASE_URL"] = f"postgresql://postgres@127.0.0.1:5432/{PG_DB}"
     else:
@@ -66,6 +66,13 @@ def _insert(model: Any, rows: list[tuple], fields: list[str]) -> None:
     from django.db import connection, transaction
 
     meta = model._meta
+    # Every other column gets what the ORM would write for it (its default; "" for a text field without one): a
+    # field added to the model later (as `replica` was, by the fleet) failed its NOT NULL constraint here.
+    rest = [f for f in meta.concrete_fields if f.name not in fields and not f.primary_key]
+    if rest:
+        defaults = tuple(f.get_db_prep_save(f.get_default(), connection) for f in rest)
+        rows = [row + defaults for row in rows]
+        fields = [*fields, *(f.name for f in rest)]
     quote = connection.ops.quote_name
     columns = ", ".join(quote(meta.get_field(f).column) for f in fields)
     sql = f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({', '.join(['%s'] * len(fields))})"
@@ -222,8 +229,10 @@ def measure(events: int, postgres: bool) -> dict[str, Any]:
             connections.close_all()
             import psycopg
 
+            # FORCE: the settings' connection pool (PostgreSQL's session pool) keeps connections that
+            # close_all does not close, and a plain DROP refused while they were open.
             with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-                conn.execute(f"DROP DATABASE IF EXISTS {PG_DB}")
+                conn.execute(f"DROP DATABASE IF EXISTS {PG_DB} WITH (FORCE)")
     return {"database": vendor, "rows": counts, "fill_s": fill_s, "rounds": ROUNDS, "pages": timings}
 
 
