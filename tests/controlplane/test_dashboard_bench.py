@@ -1,6 +1,6 @@
 """The dashboard benchmark (benchmarks/dashboard.py) at a small scale, so it cannot rot unseen: it writes usage
-rows with raw SQL for speed, and a column added to the usage model later (the fleet's `replica`) once broke it
-until a `make bench` hours later. Both of its databases: SQLite, and PostgreSQL's COPY path when it is up."""
+rows with raw SQL for speed, and a column added to the usage model later (the fleet's `replica`) broke it unseen
+for days, until the next run of the benchmark. Both of its databases: SQLite, and PostgreSQL's COPY path when it is up."""
 
 from __future__ import annotations
 
