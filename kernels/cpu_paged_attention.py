@@ -7,8 +7,9 @@ Decode has the same contract as `triton_paged_attention.paged_decode_attention`,
 `paged_attention.causal_attention_ref` without a sliding window or softcap. Built by kernels/cpu_build;
 `supports` and `supports_causal` say whether a call can take these paths (fp32 or bf16 on CPU, head_dim a
 multiple of the vector width, the kernels' stack bounds). All sums are fp32 and bf16 outputs are rounded once at
-the end, so bf16 results are at least as close to an fp32 computation as the references'. On AMX CPUs bf16 prompts
-multiply on the tiles, their probabilities rounded to bf16 as in torch's bf16 attention (`causal_amx`): as close as
+the end, so bf16 results are at least as close to an fp32 computation as the references'. Where the CPU multiplies
+bf16 pairs (AMX tiles, or AVX-512 BF16 dot products) bf16 prompts do (`causal_pairs`), and bf16 decode weighs its
+values that way (`decode_pairs`), their probabilities rounded to bf16 as in torch's bf16 attention: as close as
 that reference, no closer. The chunk after a
 cached start stands in for `paged_attention.paged_prefill_attention_ref` where nothing was evicted from the
 sequence's blocks (entry t holds position t), also without a sliding window or softcap.
@@ -39,11 +40,21 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
                            + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int64])
             fn.restype = None
+        lib.hearth_paged_decode_pairs.argtypes = [ctypes.c_int64]
+        lib.hearth_paged_decode_pairs.restype = ctypes.c_int64
     return lib
 
 
 def available() -> bool:
     return os.environ.get("HEARTH_CPU_ATTENTION", "auto") != "off" and _library() is not None
+
+
+def decode_pairs(head_dim: int) -> bool:
+    """Whether decode over bf16 pools of this head_dim weighs the values by AVX-512 BF16 dot products
+    (csrc/paged_decode_tiles.h's values_dot): the probabilities rounded to bf16 first, as torch's bf16 attention
+    rounds them, so as close to an fp32 computation as that reference, no closer."""
+    lib = _library()
+    return lib is not None and bool(lib.hearth_paged_decode_pairs(head_dim))
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
@@ -85,19 +96,20 @@ def _causal_library() -> ctypes.CDLL | None:
                                                  + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])
         lib.hearth_causal_attention.restype = lib.hearth_prefill_attention.restype = None
         lib.hearth_causal_attention_tile.argtypes, lib.hearth_causal_attention_tile.restype = [], ctypes.c_int64
-        lib.hearth_causal_attention_amx.argtypes = [ctypes.c_int64]
-        lib.hearth_causal_attention_amx.restype = ctypes.c_int64
+        lib.hearth_causal_attention_pairs.argtypes = [ctypes.c_int64]
+        lib.hearth_causal_attention_pairs.restype = ctypes.c_int64
     return lib
 
 
 MAX_CAUSAL_DIM = 512  # head_dim the prompt kernel's stack buffers hold
 
 
-def causal_amx(head_dim: int) -> bool:
-    """Whether bf16 prompts of this head_dim run on AMX tiles (csrc/causal_attention_amx.h): both products on the
-    tiles, the probabilities rounded to bf16 for the second, as torch's own bf16 attention rounds them."""
+def causal_pairs(head_dim: int) -> bool:
+    """Whether bf16 prompts of this head_dim multiply bf16 pairs: on AMX tiles (csrc/causal_attention_amx.h) or by
+    AVX-512 BF16 dot products (csrc/causal_attention_pairs.h), the probabilities rounded to bf16 for the value
+    product, as torch's own bf16 attention rounds them."""
     lib = _causal_library()
-    return lib is not None and bool(lib.hearth_causal_attention_amx(head_dim))
+    return lib is not None and bool(lib.hearth_causal_attention_pairs(head_dim))
 
 
 def supports_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -2,7 +2,9 @@
  * s <= t of (q[t, h] . k[s, h / G]) * scale, times v[s, h / G]. A fresh prompt (nothing cached before it) passes
  * its own k and v; the next chunk of a prompt whose start is cached reads its keys from the paged KV pool, the
  * chunk's queries sitting after them. All arithmetic is fp32; bf16 inputs are widened once and the output
- * rounded once. On AMX CPUs bf16 prompts run on the tiles instead (causal_attention_amx.h).
+ * rounded once. bf16 prompts multiply bf16 pairs instead where the CPU can: on AMX tiles
+ * (causal_attention_amx.h), else by AVX-512 BF16 dot products (causal_attention_pairs.h); both round the
+ * probabilities to bf16 for the value product.
  *
  * torch's SDPA took about 1 ms a layer for a 165-token prompt of SmolLM2 (9 query heads, 3 kv heads, head_dim
  * 64): its per-call setup and the expanded key/value copies for the grouped heads cost more than the ~1 MFLOP of
@@ -175,6 +177,9 @@ static inline __attribute__((always_inline)) void attend(const float *const qv[Q
     }
 }
 
+#ifdef __AVX512BF16__
+#include "causal_attention_pairs.h"
+#endif
 #ifdef __AMX_BF16__
 #include "causal_attention_amx.h"
 #endif
@@ -186,6 +191,12 @@ static void attention(const void *q, int64_t sq, const Keys *K, void *out, int64
 #ifdef __AMX_BF16__
     if (bf16 && attention_amx_takes(D)) {
         amx_attention(q, sq, K, out, T, ctx, hq, hkv, D, scale, scratch, threads);
+        return;
+    }
+#endif
+#ifdef __AVX512BF16__
+    if (bf16 && pairs_takes(D)) {
+        pairs_attention(q, sq, K, out, T, ctx, hq, hkv, D, scale, scratch, threads);
         return;
     }
 #endif
@@ -244,11 +255,15 @@ void hearth_prefill_attention(const void *q, const void *k_cache, const void *v_
 
 int64_t hearth_causal_attention_tile(void) { return KT; }
 
-/* Whether bf16 prompts of this head_dim run on AMX tiles here (causal_attention_amx.h: the probabilities rounded
- * to bf16 for the value product, as torch's own bf16 attention rounds them). */
-int64_t hearth_causal_attention_amx(int64_t D) {
+/* Whether bf16 prompts of this head_dim multiply bf16 pairs here, on AMX tiles (causal_attention_amx.h) or by
+ * AVX-512 BF16 dot products (causal_attention_pairs.h): the probabilities rounded to bf16 for the value product, as
+ * torch's own bf16 attention rounds them. */
+int64_t hearth_causal_attention_pairs(int64_t D) {
 #ifdef __AMX_BF16__
-    return attention_amx_takes(D);
+    if (attention_amx_takes(D)) return 1;
+#endif
+#ifdef __AVX512BF16__
+    return pairs_takes(D);
 #else
     (void)D;
     return 0;

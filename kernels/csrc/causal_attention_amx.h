@@ -9,7 +9,7 @@
  * rounded once.
  *
  * Layouts (a tile multiply takes its right operand as pairs: row p holds, for each of 16 columns, elements 2p and
- * 2p + 1 of the reduced dimension in one 32-bit lane):
+ * 2p + 1 of the reduced dimension in one 32-bit lane), made by causal_attention_pairs.h's pairs_prepare:
  *  - keys as kt [Hkv][tpad / 16][D / 2][16] of 32-bit channel pairs: row p of a key tile is channels 2p, 2p + 1
  *    of 16 consecutive keys, and a tile is 1 KB in one piece (the pass before the tasks transposes the keys once
  *    per prompt; rows a whole [D / 2][tpad] apart made each tile's loads stall);
@@ -22,6 +22,7 @@
  * block of keys.
  */
 #include "amx.h"
+#include "causal_attention_pairs.h"
 
 #define AK 128 /* keys per block: eight score tiles of 16, four at a time */
 
@@ -32,28 +33,6 @@ __attribute__((constructor)) static void attention_amx_request(void) {
 }
 
 static inline int attention_amx_takes(int64_t D) { return attention_amx_permitted && D % 32 == 0 && D <= MAX_DIM; }
-
-/* The keys and values of K in the tiles' layouts (above), zero past S. Parallel over pairs of keys. */
-static void amx_prepare(const Keys *K, int64_t S, int64_t hkv, int64_t D, int64_t tpad, uint32_t *kt, uint32_t *vv,
-                        int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t s = 0; s < tpad / 2; s++) {
-        for (int64_t h = 0; h < hkv; h++) {
-            const uint16_t *kr[2], *vr[2];
-            for (int e = 0; e < 2; e++) {
-                const int64_t t = 2 * s + e;
-                kr[e] = t < S ? (const uint16_t *)K->k + key_row(K, h, t, K->sk, D) : NULL;
-                vr[e] = t < S ? (const uint16_t *)K->v + key_row(K, h, t, K->sv, D) : NULL;
-                uint32_t *to = kt + ((h * (tpad / 16) + t / 16) * (D / 2)) * 16 + t % 16;
-                for (int64_t p = 0; p < D / 2; p++)
-                    to[p * 16] = kr[e] ? (uint32_t)kr[e][2 * p] | (uint32_t)kr[e][2 * p + 1] << 16 : 0u;
-            }
-            uint32_t *to = vv + (h * (tpad / 2) + s) * D;
-            for (int64_t c = 0; c < D; c++)
-                to[c] = (vr[0] ? vr[0][c] : 0u) | (uint32_t)(vr[1] ? vr[1][c] : 0u) << 16;
-        }
-    }
-}
 
 /* Scores of the 16 vectors in qb [16][D] against keys [t0, t0 + 16 * groups) of kt (one kv head) into
  * s [16][AK] (from its column 0), unscaled. groups (1-4) is a constant once inlined: tile numbers must be. */
@@ -224,7 +203,7 @@ static void amx_attention(const uint16_t *q, int64_t sq, const Keys *K, uint16_t
                           int64_t hq, int64_t hkv, int64_t D, float scale, float *scratch, int64_t threads) {
     const int64_t S = ctx + T, tpad = (S + KT - 1) / KT * KT, G = hq / hkv, tiles = (T + QT - 1) / QT;
     uint32_t *kt = (uint32_t *)scratch, *vv = kt + hkv * (D / 2) * tpad;
-    amx_prepare(K, S, hkv, D, tpad, kt, vv, threads);
+    pairs_prepare(K, S, hkv, D, tpad, kt, vv, threads);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
         amx_configure();

@@ -33,7 +33,6 @@
  * before its values are read. 192 measured best of 0-512 (docs/benchmarks.md, "Decode attention: chunks of 64
  * entries"). */
 #define LEAD 192
-#define MAX_GROUPS 64
 #define MAX_GROUP_DIM 4096 /* query heads per kv head x head_dim the stack buffers hold */
 
 typedef void (*store8_fn)(void *, int64_t, __m256);
@@ -172,7 +171,11 @@ static inline __attribute__((always_inline)) void decode_pair(
             softmax_chunk(s, kept, softcap, run_max + g, run_sum + g, shrink + g);
         }
 #ifdef __AVX512F__
+#ifdef __AVX512BF16__
+        if (mode == PAIRS) values_dot(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups);
+#else
         if (mode == PAIRS) values_pairs(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups);
+#endif
         if (mode == LANES16) values16(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups, elem);
 #endif
         if (mode == LANES8) values(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups, load8);
@@ -182,13 +185,19 @@ static inline __attribute__((always_inline)) void decode_pair(
         const float *a = acc + g * head_dim;
         const int64_t at = q0 + g * head_dim;
 #ifdef __AVX512F__
-        if (mode == PAIRS) { /* each 32 channels back in order from their 16 even and 16 odd ones */
+        if (mode == PAIRS) { /* each 32 channels back in order from their two halves of 16 (values_pairs: the 16
+                              * even and 16 odd ones; values_dot: the lo and hi lanes of each 128-bit lane) */
+#ifdef __AVX512BF16__
+            const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+            const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+#else
             const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
             const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+#endif
             for (int64_t d = 0; d < head_dim; d += 32) {
-                const __m512 even = _mm512_loadu_ps(a + d), odd = _mm512_loadu_ps(a + d + 16);
-                const __m512 part[2] = {_mm512_permutex2var_ps(even, low, odd),
-                                        _mm512_permutex2var_ps(even, high, odd)};
+                const __m512 first_half = _mm512_loadu_ps(a + d), second_half = _mm512_loadu_ps(a + d + 16);
+                const __m512 part[2] = {_mm512_permutex2var_ps(first_half, low, second_half),
+                                        _mm512_permutex2var_ps(first_half, high, second_half)};
                 for (int i = 0; i < 2; i++) {
                     const __m256 first = _mm512_castps512_ps256(part[i]);
                     const __m256 second = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(part[i]), 1));
@@ -250,4 +259,15 @@ void hearth_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale,
                               int64_t window, float softcap, int64_t threads) {
     DECODE_ALL(2, load8_bf16, store8_bf16);
+}
+
+/* Whether bf16 pools of this head_dim weigh their values by dot products here (values_dot: the probabilities rounded
+ * to bf16, as torch's bf16 attention rounds them); otherwise bf16 results are the fp32 computation rounded once. */
+int64_t hearth_paged_decode_pairs(int64_t head_dim) {
+#ifdef __AVX512BF16__
+    return head_dim % 32 == 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
 }

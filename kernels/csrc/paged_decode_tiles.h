@@ -16,6 +16,7 @@
 #define TILE_VECS 4
 #define PAIR_GROUPS 4 /* query heads per value tile of bf16 pairs: 16 sums of 16 lanes at 64 channels */
 #define MAX_HEAD_DIM 256 /* the largest head the transposed scores take */
+#define MAX_GROUPS 64 /* query heads per kv head */
 
 /* Lane i of the result is the sum of v[i]'s eight lanes. */
 static inline __m256 hsum8(const __m256 *v) {
@@ -315,6 +316,70 @@ static inline __attribute__((always_inline)) void values_pairs(float *acc, const
 }
 
 #ifdef __AVX512BF16__
+/* Values by AVX-512 BF16 dot products where the build has them: the chunk's probabilities rounded to bf16 (`pb`,
+ * [groups][CHUNK], as torch's bf16 attention and the prompt kernels round them), and each lane multiplying a pair
+ * of entries (j, j + 1) of one channel: half the multiply-adds of widening the values, and no widening. A pair's
+ * two rows are interleaved in registers (unpacklo/hi of 16-bit elements), so each 32 channels accumulate as 16
+ * "lo" lanes (channels 8L + 0..3 of each 128-bit lane L) and 16 "hi" ones (8L + 4..7), put back in order once at
+ * the end (decode_pair). An odd chunk's last entry pairs with itself at probability zero. */
+static inline __attribute__((always_inline)) void value_tile_dot(float *acc, const uint16_t *pb, const float *shrink,
+                                                                  const uint16_t *vc, const int64_t *rows,
+                                                                  int64_t kept, prefetcher *pf, int64_t head_dim,
+                                                                  int64_t g0, int64_t d0, int gc, int nv) {
+    __m512 o[PAIR_GROUPS][4];
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < 2 * nv; c++)
+            o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * head_dim + d0 + 16 * c),
+                                    _mm512_set1_ps(shrink[g0 + g]));
+    for (int64_t j = 0; j < kept; j += 2) {
+        if (pf) pf_advance(pf, kept - j >= 2 ? 2 : 1);
+        __m512bh w[PAIR_GROUPS];
+        for (int g = 0; g < gc; g++)
+            w[g] = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(pb + (g0 + g) * CHUNK))[j / 2]);
+        for (int c = 0; c < nv; c++) {
+            const __m512i a = _mm512_loadu_si512(vc + rows[j] + d0 + 32 * c);
+            const __m512i b = _mm512_loadu_si512(vc + rows[j + 1] + d0 + 32 * c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int g = 0; g < gc; g++) {
+                o[g][2 * c] = _mm512_dpbf16_ps(o[g][2 * c], w[g], lo);
+                o[g][2 * c + 1] = _mm512_dpbf16_ps(o[g][2 * c + 1], w[g], hi);
+            }
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int c = 0; c < 2 * nv; c++) _mm512_storeu_ps(acc + (g0 + g) * head_dim + d0 + 16 * c, o[g][c]);
+}
+
+#define VALUE_TILE_DOT(D0, GC, NV) \
+    value_tile_dot(acc, pb, shrink, vc, rows, kept, FIRST_TILE_PF, head_dim, g0, D0, GC, NV)
+
+/* Every query head's values of one chunk by dot products; scores [groups][CHUNK] hold the chunk's probabilities
+ * (fp32), and rows[kept] may be written (a copy of the last row, for an odd chunk's pair). */
+static inline __attribute__((always_inline)) void values_dot(float *acc, const float *scores, const float *shrink,
+                                                             const uint16_t *vc, int64_t *rows, int64_t kept,
+                                                             prefetcher *pf, int64_t head_dim, int64_t groups) {
+    _Alignas(64) uint16_t pb[MAX_GROUPS * CHUNK];
+    for (int64_t g = 0; g < groups; g++) /* lanes past kept load as zero: an odd chunk's partner weighs nothing */
+        for (int64_t j = 0; j < kept; j += 16) {
+            const __mmask16 in = kept - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (kept - j)) - 1u);
+            _mm256_storeu_si256((__m256i *)(pb + g * CHUNK + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, scores + g * CHUNK + j)));
+        }
+    if (kept & 1) rows[kept] = rows[kept - 1];
+    for (int64_t g0 = 0; g0 < groups; g0 += PAIR_GROUPS) {
+        const int64_t gc = groups - g0 >= PAIR_GROUPS ? PAIR_GROUPS : groups - g0;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= head_dim; d0 += 64) {
+            if (gc == 4) VALUE_TILE_DOT(d0, 4, 2); else if (gc == 3) VALUE_TILE_DOT(d0, 3, 2);
+            else if (gc == 2) VALUE_TILE_DOT(d0, 2, 2); else VALUE_TILE_DOT(d0, 1, 2);
+        }
+        if (d0 < head_dim) { /* 32 channels left */
+            if (gc == 4) VALUE_TILE_DOT(d0, 4, 1); else if (gc == 3) VALUE_TILE_DOT(d0, 3, 1);
+            else if (gc == 2) VALUE_TILE_DOT(d0, 2, 1); else VALUE_TILE_DOT(d0, 1, 1);
+        }
+    }
+}
+
 /* Scores from the bf16 query and keys as they are, by AVX-512 BF16 dot products: each lane multiplies a pair
  * of channels (products of bf16 values are exact in fp32) and adds them to its fp32 sum, so nothing is widened;
  * the sum is scaled afterwards. Tiles of up to three query heads x eight keys, as block_scores16. */

@@ -66,8 +66,10 @@ def test_kernel_matches_the_reference(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_bf16_pools_match_the_fp32_reference_within_bf16_rounding(seed: int) -> None:
     """bf16 entries are widened (or multiplied in exact pairs) and all sums are fp32: the result is the fp32
-    reference over the same (bf16-valued) inputs, rounded once to bf16. head_dim 32, 64, 96, 128, 256 take the
-    32-entries-a-load path on AVX-512 builds, 40 the eight-lane one; every block size, window and softcap."""
+    reference over the same (bf16-valued) inputs, rounded once to bf16. Where the values are weighed by AVX-512
+    BF16 dot products (`decode_pairs`) the probabilities are rounded to bf16 first, as the bf16 reference rounds
+    them: as close as it, on average and at worst. head_dim 32, 64, 96, 128, 256 take the 32-entries-a-load path on
+    AVX-512 builds (odd and even chunks of entries), 40 the eight-lane one; every block size, window and softcap."""
     gen = torch.Generator().manual_seed(100 + seed)
     kv_heads = 1 + seed % 3
     q_heads = kv_heads * (1, 3, 7, 4, 2, 5, 3, 8)[seed]
@@ -83,10 +85,14 @@ def test_bf16_pools_match_the_fp32_reference_within_bf16_rounding(seed: int) -> 
     assert cpa.supports(q, k, kv_heads)
     got = cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window, softcap)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
-    # and as close to it as the bf16 reference gets, or closer
     ref16 = pa.paged_decode_attention_ref(q, k, v, tables, mask, scale, softcap).float()
-    assert (got.float() - want).abs().max() <= (ref16 - want).abs().max() + 1e-3
+    error, ref_error = (got.float() - want).abs(), (ref16 - want).abs()
+    if cpa.decode_pairs(head_dim):
+        assert error.mean() <= ref_error.mean() * 1.05
+    else:
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
+    # and as close to it as the bf16 reference gets, or closer
+    assert error.max() <= ref_error.max() + 1e-3
 
 
 def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
