@@ -14,6 +14,7 @@ from inference.kv_cache import KVLayout, KVPool
 from inference.lora.slots import LoRASlots
 from inference.models.decoder import DecoderLM
 from inference.scheduler import ScheduledChunk
+from inference.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -30,22 +31,29 @@ def _slots(table: np.ndarray, lens: np.ndarray, count: int, block_size: int) -> 
     return blocks * block_size + index % block_size
 
 
-def _group_by_length(decodes: list[ScheduledChunk], block_size: int,
+def _group_by_length(decodes: list[ScheduledChunk], cached: list[int], block_size: int,
                      slack: float = 1.3) -> list[list[ScheduledChunk]]:
-    """Split length-sorted decodes so no group pads a sequence beyond `slack` times its own blocks.
+    """Split length-sorted decodes (`cached`: each one's cached entries) so no group pads a sequence beyond
+    `slack` times its own blocks.
 
     Each group costs a few more calls per layer, so short caches (cheap to pad) stay together.
     """
     groups: list[list[ScheduledChunk]] = []
     floor = 0
-    for chunk in decodes:
-        blocks = -(-(chunk.seq.blocks.num_cached + 1) // block_size)
+    for chunk, entries in zip(decodes, cached, strict=True):
+        blocks = -(-(entries + 1) // block_size)
         if groups and blocks <= max(floor * slack, floor + 2):
             groups[-1].append(chunk)
         else:
             groups.append([chunk])
             floor = blocks
     return groups
+
+
+def _adapter(seq: Sequence) -> int:
+    """The sequence's LoRA slot, -1 for the base model (draft-model sequences have none)."""
+    slot = getattr(seq, "lora_slot", None)
+    return -1 if slot is None else slot
 
 
 def _observer(chunk: ScheduledChunk) -> CompressionState | None:
@@ -61,74 +69,87 @@ class ModelRunner:
         self.device = model.device
         self.lora = lora
 
-    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-        """One group when the CPU attention kernel serves every decode: it reads each sequence's own length, so
-        padding costs nothing there, while each extra group is another call per layer with its own thread
-        start-up and tail. Otherwise groups by length (the gathering references pay for padding)."""
-        if decodes and getattr(self.model, "cpu_attention", False) and not any(map(_observer, decodes)):
-            return [decodes]
-        return _group_by_length(decodes, self.layout.block_size)
+    def _decode_groups(self, decodes: list[ScheduledChunk],
+                       cached: list[int]) -> list[tuple[list[ScheduledChunk], list[int]]]:
+        """Length-sorted decodes (and their cached entries) in groups: one group when the CPU attention kernel
+        serves every decode: it reads each sequence's own length, so padding costs nothing there, while each extra
+        group is another call per layer with its own thread start-up and tail. Otherwise groups by length (the
+        gathering references pay for padding)."""
+        if not decodes:
+            return []
+        if getattr(self.model, "cpu_attention", False) and not any(map(_observer, decodes)):
+            return [(decodes, cached)]
+        groups, start = [], 0
+        for group in _group_by_length(decodes, cached, self.layout.block_size):
+            groups.append((group, cached[start: start + len(group)]))
+            start += len(group)
+        return groups
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     def build(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
-        """Decodes first (one token each, sharing one batched attention call), then prompt chunks."""
+        """Decodes first (one token each, sharing one batched attention call), then prompt chunks.
+
+        A decode's rows come from its group's block tables in one array operation per group (its new entry's slot
+        after each head's length, its token, position and adapter), not per sequence: with 32 sequences decoding,
+        building a step per sequence cost about a millisecond of a 35 ms SmolLM2 step on a Zen 4 core, while the
+        worker thread waited."""
         bs = self.layout.block_size
-        decodes = sorted((c for c in chunks if c.num_tokens == 1 and c.seq.num_computed > 0),
-                         key=lambda c: c.seq.blocks.num_cached)
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.seq.num_computed > 0]
+        cached = [c.seq.blocks.num_cached for c in decodes]
+        order = sorted(range(len(decodes)), key=cached.__getitem__)
+        decodes, cached = [decodes[i] for i in order], [cached[i] for i in order]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.seq.num_computed > 0)]
         chunks[:] = decodes + prefills  # the caller reads rows in this order
 
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
+        ids: list[int] = [c.seq.token_at(c.seq.num_computed) for c in decodes]
+        positions: list[np.ndarray] = [np.fromiter((c.seq.num_computed for c in decodes), np.int64, len(decodes))]
         slots: list[np.ndarray] = []
-        adapters: list[np.ndarray] = []  # each row's LoRA slot, -1 for the base model
-        for chunk in chunks:
-            seq, start = chunk.seq, chunk.seq.num_computed
+        adapters: list[np.ndarray] = [np.fromiter((_adapter(c.seq) for c in decodes), np.int64, len(decodes))]
+        batch = AttentionBatch(positions=torch.empty(0), slots=torch.empty(0), num_decode=len(decodes),
+                               dense=not any(c.seq.blocks.compressed for c in chunks))
+        start = 0
+        for group, lengths in self._decode_groups(decodes, cached):
+            width = -(-(lengths[-1] + 1) // bs)
+            # [L, rows, H, W] and [L, rows, H]: the layout the attention calls read, built in place
+            tables = np.zeros((self.layout.num_layers, len(group), self.layout.num_kv_heads, width), np.int64)
+            lens = np.zeros((self.layout.num_layers, len(group), self.layout.num_kv_heads), np.int32)
+            for row, chunk in enumerate(group):
+                blocks = chunk.seq.blocks
+                used = min(width, blocks.num_columns)
+                tables[:, row, :, :used] = blocks.table[:, :, :used]
+                lens[:, row] = blocks.lens
+                observer = _observer(chunk)
+                if observer is not None:
+                    observer.reset_entries(blocks.lens, 1)
+            # each sequence's new entry goes right after each head's current length
+            blocks_at = np.take_along_axis(tables, (lens // bs)[..., None], axis=3)[..., 0]
+            slots.append((blocks_at * bs + lens % bs).transpose(0, 2, 1))
+            lens += 1
+            observers = [_observer(chunk) for chunk in group]
+            batch.decode_groups.append(DecodeGroup(
+                start=start, end=start + len(group),
+                block_tables=self._tensor(tables), kv_lens=self._tensor(lens),
+                observers=observers if any(o is not None for o in observers) else None))
+            start += len(group)
+
+        offset = len(decodes)
+        for chunk in prefills:
+            seq, first = chunk.seq, chunk.seq.num_computed
             known = chunk.num_tokens - chunk.num_draft
-            tokens = seq.token_ids()[start: start + known] + seq.draft[: chunk.num_draft]
-            ids.extend(tokens)
-            positions.append(np.arange(start, start + chunk.num_tokens, dtype=np.int64))
+            ids.extend(seq.token_ids()[first: first + known] + seq.draft[: chunk.num_draft])
+            positions.append(np.arange(first, first + chunk.num_tokens, dtype=np.int64))
             slots.append(_slots(seq.blocks.table, seq.blocks.lens, chunk.num_tokens, bs))
             observer = _observer(chunk)
             if observer is not None:
                 observer.reset_entries(seq.blocks.lens, chunk.num_tokens)
-            adapter = getattr(seq, "lora_slot", None)
-            adapters.append(np.full(chunk.num_tokens, -1 if adapter is None else adapter, dtype=np.int64))
-
-        batch = AttentionBatch(
-            positions=self._tensor(np.concatenate(positions)),
-            slots=self._tensor(np.concatenate(slots, axis=2)),
-            num_decode=len(decodes),
-            dense=not any(c.seq.blocks.compressed for c in chunks),
-        )
-        if self.lora is not None:
-            batch.lora = self.lora.batch(np.concatenate(adapters))
-        start = 0
-        for group in self._decode_groups(decodes):
-            width = -(-(group[-1].seq.blocks.num_cached + 1) // bs)
-            tables = np.zeros((len(group), self.layout.num_layers, self.layout.num_kv_heads, width), np.int32)
-            lens = np.zeros((len(group), self.layout.num_layers, self.layout.num_kv_heads), np.int32)
-            for row, chunk in enumerate(group):
-                blocks = chunk.seq.blocks
-                used = min(width, blocks.num_columns)
-                tables[row, :, :, :used] = blocks.table[:, :, :used]
-                lens[row] = blocks.lens + 1
-            observers = [_observer(chunk) for chunk in group]
-            batch.decode_groups.append(DecodeGroup(
-                start=start, end=start + len(group),
-                block_tables=self._tensor(tables.transpose(1, 0, 2, 3)).long(),
-                kv_lens=self._tensor(lens.transpose(1, 0, 2)),
-                observers=observers if any(o is not None for o in observers) else None))
-            start += len(group)
-        offset = len(decodes)
-        for chunk in prefills:
-            blocks = chunk.seq.blocks
-            fresh = chunk.seq.num_computed == 0
+            adapters.append(np.full(chunk.num_tokens, _adapter(seq), dtype=np.int64))
+            blocks = seq.blocks
+            fresh = first == 0
             width = -(-(blocks.num_cached + chunk.num_tokens) // bs)
             # The prompt's last chunk shows the compressor which entries its final queries attend to.
-            observer = _observer(chunk) if chunk.completes and chunk.num_draft == 0 else None
+            observer = observer if chunk.completes and chunk.num_draft == 0 else None
             paged = not fresh or observer is not None
             batch.prefills.append(PrefillSegment(
                 start=offset, end=offset + chunk.num_tokens, fresh=fresh,
@@ -138,6 +159,10 @@ class ModelRunner:
                 observe=min(chunk.num_tokens, observer.observe_window) if observer is not None else 0,
             ))
             offset += chunk.num_tokens
+        batch.positions = self._tensor(np.concatenate(positions))
+        batch.slots = self._tensor(np.concatenate(slots, axis=2))
+        if self.lora is not None:
+            batch.lora = self.lora.batch(np.concatenate(adapters))
         return self._tensor(np.asarray(ids, dtype=np.int64)), batch
 
     def execute(self, chunks: list[ScheduledChunk],

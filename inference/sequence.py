@@ -145,6 +145,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.request.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, index: int) -> int:
+        """token_ids()[index], without building the list."""
+        prompt = self.request.prompt_token_ids
+        return prompt[index] if index < len(prompt) else self.output_token_ids[index - len(prompt)]
+
     @property
     def next_forced(self) -> int | None:
         """The token the next output position must take, when the request gives it."""

@@ -54,6 +54,9 @@ class _DraftSeq:
     def token_ids(self) -> list[int]:
         return self.tokens
 
+    def token_at(self, index: int) -> int:
+        return self.tokens[index]
+
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
