@@ -24,6 +24,9 @@ class StepResult:
     tokens: torch.Tensor | None = None  # a greedy step's int64 [N] argmax of those rows, in place of logits
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # a placeholder never written: build replaces it
+
+
 def _slots(table: np.ndarray, lens: np.ndarray, count: int, block_size: int) -> np.ndarray:
     """Flat slot ids [L, H, count] for `count` new entries appended after each head's current length."""
     index = lens[:, :, None] + np.arange(count, dtype=np.int64)[None, None, :]
@@ -86,7 +89,9 @@ class ModelRunner:
         return groups
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        # On the CPU the array's memory is the tensor's: no copy, and no call that would make none.
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
 
     def build(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
         """Decodes first (one token each, sharing one batched attention call), then prompt chunks.
@@ -104,10 +109,10 @@ class ModelRunner:
         chunks[:] = decodes + prefills  # the caller reads rows in this order
 
         ids: list[int] = [c.seq.token_at(c.seq.num_computed) for c in decodes]
-        positions: list[np.ndarray] = [np.fromiter((c.seq.num_computed for c in decodes), np.int64, len(decodes))]
+        positions: list[np.ndarray] = [np.array([c.seq.num_computed for c in decodes], np.int64)]
         slots: list[np.ndarray] = []
-        adapters: list[np.ndarray] = [np.fromiter((_adapter(c.seq) for c in decodes), np.int64, len(decodes))]
-        batch = AttentionBatch(positions=torch.empty(0), slots=torch.empty(0), num_decode=len(decodes),
+        adapters: list[np.ndarray] = [np.array([_adapter(c.seq) for c in decodes], np.int64)]
+        batch = AttentionBatch(positions=_NO_ROWS, slots=_NO_ROWS, num_decode=len(decodes),  # both set below
                                dense=not any(c.seq.blocks.compressed for c in chunks))
         start = 0
         for group, lengths in self._decode_groups(decodes, cached):
@@ -123,8 +128,10 @@ class ModelRunner:
                 observer = _observer(chunk)
                 if observer is not None:
                     observer.reset_entries(blocks.lens, 1)
-            # each sequence's new entry goes right after each head's current length
-            blocks_at = np.take_along_axis(tables, (lens // bs)[..., None], axis=3)[..., 0]
+            # each sequence's new entry goes right after each head's current length (indexing the flat tables:
+            # take_along_axis built index grids that cost more than the rest of a one-sequence step's rows)
+            columns = (lens // bs).ravel()
+            blocks_at = tables.reshape(-1)[np.arange(0, tables.size, width) + columns].reshape(lens.shape)
             slots.append((blocks_at * bs + lens % bs).transpose(0, 2, 1))
             lens += 1
             observers = [_observer(chunk) for chunk in group]
