@@ -1,4 +1,4 @@
-/* How a product's work is dealt between threads (gemm.c, gemm_amx.h; gemv.c and gemv_i8.c with one chunk of rows).
+/* How a product's work is dealt between threads (gemm.c, gemm_amx.h).
  *
  * An item is one block of outputs times one chunk of rows. Thread t owns the run of blocks
  * [blocks * t / team, blocks * (t + 1) / team) in every chunk, chunk by chunk, and takes its items in that order,
@@ -83,11 +83,4 @@ static __attribute__((noinline)) int64_t deal_next(deal *d, int64_t *first, int6
         return blk;
     }
     return -1;
-}
-
-/* The next block for the calling thread where the rows are one chunk (deal_start with rows = chunk_rows = 1: the
- * decode products of gemv.c, whose block_rows take every row): -1 when none is left. */
-static inline int64_t deal_next_block(deal *d) {
-    int64_t first, rows, after;
-    return deal_next(d, &first, &rows, &after);
 }

@@ -18,11 +18,9 @@
  * and thread pool).
  */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "deal.h"
 #include "simd.h"
 
 /* VL-lane bf16 weights widened to fp32 (exact). */
@@ -119,19 +117,16 @@ static inline __attribute__((always_inline)) void block_rows(int kind, const voi
     }
 }
 
-/* The blocks dealt between threads as the GEMM deals them (deal.h): each thread streams its own run of blocks and
- * then takes what is left of the other's from its far end. A static split left one thread waiting at the end of
- * each product for the other (a VM's two cores rarely stream at the same speed for long): the 120 products of a
- * SmolLM2 bf16 token ran 1.06-1.07x faster dealt, Qwen2.5-0.5B's 96 1.06x (in one process, alternating, on a Zen 4
- * VM). Each block is still computed whole by one thread, so results do not change. */
+/* Guided, not static: with an even split one thread waited at the end of each product for the other (a VM's two
+ * cores rarely stream at one speed for long); guided hands out shrinking runs of blocks, so whoever is free takes
+ * the last ones. A SmolLM2 token's products 1.035x faster in bf16 on a Zen 4 VM, the engine's single stream 1.07x
+ * in bf16 and 1.05x in fp32 (in one process, alternating). The GEMM's dealing (deal.h), tried here first, read
+ * 1.06x in bf16 but 0.59x in fp32. Each block is still computed whole by one thread: results do not change. */
 #define PRODUCT(KIND, X)                                                                                        \
     do {                                                                                                       \
         const int64_t blocks = (n + BW - 1) / BW;                                                              \
-        DEAL_COUNTS(counts, threads);                                                                          \
-        _Pragma("omp parallel num_threads(counts_team)") {                                                     \
-            deal d = deal_start(blocks, 1, 1, omp_get_num_threads(), omp_get_thread_num(), counts);            \
-            for (int64_t blk; (blk = deal_next_block(&d)) >= 0;) block_rows(KIND, X, packed, b, y, m, n, k, blk); \
-        }                                                                                                      \
+        _Pragma("omp parallel for schedule(guided) num_threads(threads > 0 ? threads : 1)")                    \
+        for (int64_t blk = 0; blk < blocks; blk++) block_rows(KIND, X, packed, b, y, m, n, k, blk);            \
     } while (0)
 
 /* x [m, k] fp32 with m <= 2 per tile (any m works, two rows at a time); packed: ceil(n / BW) blocks of

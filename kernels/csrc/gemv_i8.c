@@ -19,10 +19,8 @@
  * Built by kernels/cpu_build (-fopenmp: torch's OpenMP runtime and thread pool).
  */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 
-#include "deal.h"
 #include "simd.h"
 
 /* VL int8 weights widened to fp32 (exact); tiles of MR rows keep 2 * MR of the build's vector registers. */
@@ -148,16 +146,12 @@ static inline __attribute__((always_inline)) void block_rows(int pairs, const vo
     }
 }
 
-/* The blocks dealt between threads as gemv.c deals them (deal.h), for the same reason. */
+/* Guided for the reason gemv.c's products are. */
 #define PRODUCT(PAIRS, X, BF16)                                                                                 \
     do {                                                                                                       \
         const int64_t blocks = (n + BW - 1) / BW;                                                              \
-        DEAL_COUNTS(counts, threads);                                                                          \
-        _Pragma("omp parallel num_threads(counts_team)") {                                                     \
-            deal d = deal_start(blocks, 1, 1, omp_get_num_threads(), omp_get_thread_num(), counts);            \
-            for (int64_t blk; (blk = deal_next_block(&d)) >= 0;)                                               \
-                block_rows(PAIRS, X, packed, scale, b, y, m, n, k, blk, BF16);                                 \
-        }                                                                                                      \
+        _Pragma("omp parallel for schedule(guided) num_threads(threads > 0 ? threads : 1)")                    \
+        for (int64_t blk = 0; blk < blocks; blk++) block_rows(PAIRS, X, packed, scale, b, y, m, n, k, blk, BF16); \
     } while (0)
 
 /* x [m, k] fp32; packed: ceil(n / BW) blocks of [k][BW] int8 (outputs past n zero); scale [n] fp32; b [n] fp32

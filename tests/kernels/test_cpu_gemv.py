@@ -37,7 +37,7 @@ def test_products_take_a_non_contiguous_input_and_any_thread_count(product: str,
     x = torch.randn(64, rows, generator=gen).t()  # [rows, 64], not contiguous
     threads = torch.get_num_threads()
     try:
-        for count in (1, 2, 3, 5):  # 96 outputs are three or six blocks: five threads leave some without a run
+        for count in (1, 2, 3, 5):  # 96 outputs are three or six blocks: five threads, more than some have blocks
             torch.set_num_threads(count)
             _close(getattr(cpu_gemv, product)(x, cpu_gemv.pack(w)), cpu_gemv.gemv_ref(x, w))
     finally:
