@@ -146,11 +146,10 @@ static inline __attribute__((always_inline)) void block_rows(int pairs, const vo
     }
 }
 
-/* Guided for the reason gemv.c's products are. */
 #define PRODUCT(PAIRS, X, BF16)                                                                                 \
     do {                                                                                                       \
         const int64_t blocks = (n + BW - 1) / BW;                                                              \
-        _Pragma("omp parallel for schedule(guided) num_threads(threads > 0 ? threads : 1)")                    \
+        _Pragma("omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)")                    \
         for (int64_t blk = 0; blk < blocks; blk++) block_rows(PAIRS, X, packed, scale, b, y, m, n, k, blk, BF16); \
     } while (0)
 
