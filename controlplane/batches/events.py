@@ -1,13 +1,20 @@
 """Progress events for the dashboard: every change of a batch's counts or status is sent to the account's
 channel-layer group, `batches.<account_id>`, as {"type": "batch.progress", ...}. A consumer subscribes with
 `channel_layer.group_add(group_name(account_id), channel_name)`. Publishing never fails the work it reports:
-no layer configured, or an unreachable one, only costs the event."""
+no layer configured, or an unreachable one, only costs the event.
+
+Within one process a batch's events go out in order: counts only grow and statuses only move forward, but the
+worker threads that finish a batch's items publish after their own commits, so the thread holding the older
+counts can reach the layer last. Each batch's newest sent state is kept, an older one is dropped instead of
+sent, and sends happen under the lock that decided them. (Workers in other processes can still interleave
+theirs; the dashboard ignores an event that would move a row back.)"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane.api import layer
@@ -18,7 +25,21 @@ EVENT_TYPE = "batch.progress"
 # Per-item progress is published at most this often per batch: a dashboard needs no more, and a 1,000-item batch
 # should not pay a channel-layer send per item. Status changes are always sent.
 PROGRESS_INTERVAL_S = 0.5
-_last_sent: dict[str, float] = {}
+# How far a batch has got: its status's rank first, then its finished items. The dashboard orders events the same way.
+STATUS_RANK = {Batch.Status.VALIDATING.value: 0, Batch.Status.IN_PROGRESS.value: 1, Batch.Status.CANCELLING.value: 2,
+               Batch.Status.FINALIZING.value: 3, **{s.value: 4 for s in Batch.TERMINAL}}
+# A finished batch's entry is kept this long, so that a late, older event of it is still recognised and dropped.
+FORGET_AFTER_S = 600.0
+FORGET_CHECK_SIZE = 1024
+
+
+@dataclass(slots=True)
+class _Sent:
+    at: float
+    stage: tuple[int, int]
+
+
+_last_sent: dict[str, _Sent] = {}
 _last_lock = threading.Lock()
 
 
@@ -32,14 +53,28 @@ def progress(batch: Batch) -> dict[str, Any]:
             "cancelled": batch.cancelled_count}
 
 
+def stage(batch: Batch) -> tuple[int, int]:
+    return (STATUS_RANK.get(batch.status, -1),
+            batch.completed_count + batch.failed_count + batch.cancelled_count)
+
+
 def publish(batch: Batch, *, throttle: bool = False) -> None:
-    """throttle: a count update that may be skipped when this batch published under PROGRESS_INTERVAL_S ago."""
+    """throttle: a count update that may be skipped when this batch published under PROGRESS_INTERVAL_S ago.
+    An event older than the last one this process sent for the batch is dropped (see the module's note)."""
     now = time.monotonic()
+    reached = stage(batch)
     with _last_lock:
-        if throttle and now - _last_sent.get(batch.pk, float("-inf")) < PROGRESS_INTERVAL_S:
+        last = _last_sent.get(batch.pk)
+        if last is not None and (reached < last.stage or (throttle and now - last.at < PROGRESS_INTERVAL_S)):
             return
-        if batch.status in Batch.TERMINAL:
-            _last_sent.pop(batch.pk, None)
-        else:
-            _last_sent[batch.pk] = now
-    layer.group_send(group_name(batch.account_id), progress(batch))
+        _last_sent[batch.pk] = _Sent(now, reached)
+        if len(_last_sent) > FORGET_CHECK_SIZE:
+            _forget_finished(now)
+        # Sent under the lock: a send is a few milliseconds, and two threads' sends must not overtake each other.
+        layer.group_send(group_name(batch.account_id), progress(batch))
+
+
+def _forget_finished(now: float) -> None:
+    terminal = STATUS_RANK[Batch.Status.COMPLETED.value]
+    for pk in [pk for pk, sent in _last_sent.items() if sent.stage[0] >= terminal and now - sent.at > FORGET_AFTER_S]:
+        del _last_sent[pk]

@@ -22,14 +22,13 @@ from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import dumps, envelope
 from controlplane.batches import results, services
+from controlplane.batches.events import STATUS_RANK
 from controlplane.batches.models import Batch
 from controlplane.dashboard.access import account_or_404
 
 PAGE_SIZE = 25
 Status = Batch.Status
 # Where a status sits on a batch's way to the end: the page's script never lets a late event move a row back.
-STATUS_RANK = {Status.VALIDATING.value: 0, Status.IN_PROGRESS.value: 1, Status.CANCELLING.value: 2,
-               Status.FINALIZING.value: 3, **{s.value: 4 for s in Batch.TERMINAL}}
 # services.cancel_batch accepts these; the button is offered only for them.
 CANCELLABLE = (Status.VALIDATING, Status.IN_PROGRESS)
 DOWNLOAD_LABELS = {"output": "Output", "errors": "Errors", "results": "Results"}

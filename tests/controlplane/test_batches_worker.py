@@ -3,7 +3,9 @@ lost messages come back, a busy engine means waiting (never failing), expiry, re
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import threading
 import time
 from dataclasses import replace
@@ -270,10 +272,44 @@ def test_count_updates_are_throttled_but_status_changes_always_go_out(db, tenant
             events.publish(batch, throttle=True)
         batch.status, batch.completed_count = Batch.Status.COMPLETED, 3
         events.publish(batch)  # a status change is never skipped, however soon
-        events.publish(batch, throttle=True)  # a finished batch has left the throttle's books: sent too
+        late = copy.copy(batch)  # a worker thread that read its counts before the batch finished publishes last
+        late.status, late.completed_count = Batch.Status.IN_PROGRESS, 2
+        events.publish(late)  # older than what was sent: dropped, though not throttled
         received = [e for e in drain(layer, channel, 0.5) if e["batch_id"] == batch.pk]
     assert [(e["status"], e["completed"]) for e in received] == [
-        (batch.Status.IN_PROGRESS, 1), ("completed", 3), ("completed", 3)]
+        (batch.Status.IN_PROGRESS, 1), ("completed", 3)]
+
+
+@pytest.mark.redis
+def test_events_of_threads_that_publish_out_of_order_reach_a_subscriber_in_order(db, tenant):
+    from channels.layers import get_channel_layer
+
+    layer_settings = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                                  "CONFIG": {"hosts": [redis_url(1)]}}}
+    batch = native_batch(tenant, 40)
+    counts = list(range(1, 41))
+    random.Random(7).shuffle(counts)  # the order in which the finishers' threads reach publish
+    start = threading.Barrier(8)
+
+    def finisher(mine: list[int]) -> None:
+        start.wait()
+        for completed in mine:
+            state = copy.copy(batch)
+            state.completed_count = completed
+            events.publish(state)
+
+    with override_settings(CHANNEL_LAYERS=layer_settings):
+        layer = get_channel_layer()
+        channel = async_to_sync(layer.new_channel)()
+        async_to_sync(layer.group_add)(events.group_name(tenant.account.pk), channel)
+        threads = [threading.Thread(target=finisher, args=(counts[i::8],)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        received = [e["completed"] for e in drain(layer, channel, 0.5) if e["batch_id"] == batch.pk]
+    assert received and received == sorted(received) and len(set(received)) == len(received)
+    assert received[-1] == 40  # the newest state always goes out
 
 
 # ------------------------------------------------------------------------------------- with the worker
