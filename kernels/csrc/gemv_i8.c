@@ -146,6 +146,9 @@ static inline __attribute__((always_inline)) void block_rows(int pairs, const vo
     }
 }
 
+/* A static split: OpenMP's guided schedule, which gemv.c's products take, measured no different here (int8 engine
+ * runs in one process, alternating the two builds on a Zen 4 VM: SmolLM2 single stream 1.007x in bf16 and 1.004x
+ * in fp32, Qwen2.5-0.5B bf16 0.984x, SmolLM2 bf16 at 32 concurrent 1.007x; docs/benchmarks.md). */
 #define PRODUCT(PAIRS, X, BF16)                                                                                 \
     do {                                                                                                       \
         const int64_t blocks = (n + BW - 1) / BW;                                                              \
