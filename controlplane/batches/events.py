@@ -5,9 +5,11 @@ no layer configured, or an unreachable one, only costs the event.
 
 Within one process a batch's events go out in order: counts only grow and statuses only move forward, but the
 worker threads that finish a batch's items publish after their own commits, so the thread holding the older
-counts can reach the layer last. Each batch's newest sent state is kept, an older one is dropped instead of
-sent, and sends happen under the lock that decided them. (Workers in other processes can still interleave
-theirs; the dashboard ignores an event that would move a row back.)"""
+counts could reach the layer last. So each batch has at most one thread sending at a time, and a state older than
+the newest one decided is dropped. A thread with news while another is sending leaves it to that one and returns
+(the sender sends the newest waiting state after its own): nobody waits on someone else's send, which matters when
+the layer hangs. (Workers in other processes can still interleave theirs; the dashboard ignores an event that
+would move a row back.)"""
 
 from __future__ import annotations
 
@@ -34,13 +36,17 @@ FORGET_CHECK_SIZE = 1024
 
 
 @dataclass(slots=True)
-class _Sent:
+class _Books:
+    """One batch's publishing: the newest state decided (sent, being sent or waiting) and when."""
+
     at: float
     stage: tuple[int, int]
+    sending: bool = False
+    waiting: dict[str, Any] | None = None  # the newest event for the sending thread to send after its own
 
 
-_last_sent: dict[str, _Sent] = {}
-_last_lock = threading.Lock()
+_books: dict[str, _Books] = {}
+_books_lock = threading.Lock()
 
 
 def group_name(account_id: str) -> str:
@@ -60,21 +66,38 @@ def stage(batch: Batch) -> tuple[int, int]:
 
 def publish(batch: Batch, *, throttle: bool = False) -> None:
     """throttle: a count update that may be skipped when this batch published under PROGRESS_INTERVAL_S ago.
-    An event older than the last one this process sent for the batch is dropped (see the module's note)."""
+    A state older than the newest one decided for the batch is dropped (see the module's note)."""
     now = time.monotonic()
-    reached = stage(batch)
-    with _last_lock:
-        last = _last_sent.get(batch.pk)
-        if last is not None and (reached < last.stage or (throttle and now - last.at < PROGRESS_INTERVAL_S)):
+    reached, event, group = stage(batch), progress(batch), group_name(batch.account_id)
+    with _books_lock:
+        books = _books.get(batch.pk)
+        if books is not None and (reached < books.stage or (throttle and now - books.at < PROGRESS_INTERVAL_S)):
             return
-        _last_sent[batch.pk] = _Sent(now, reached)
-        if len(_last_sent) > FORGET_CHECK_SIZE:
+        if books is None:
+            books = _books[batch.pk] = _Books(now, reached)
+        books.at, books.stage = now, reached
+        if books.sending:
+            books.waiting = event
+            return
+        books.sending = True
+        if len(_books) > FORGET_CHECK_SIZE:
             _forget_finished(now)
-        # Sent under the lock: a send is a few milliseconds, and two threads' sends must not overtake each other.
-        layer.group_send(group_name(batch.account_id), progress(batch))
+    try:
+        while True:
+            layer.group_send(group, event)
+            with _books_lock:  # one critical section: a state left here after this look is not left unsent
+                if books.waiting is None:
+                    books.sending = False
+                    return
+                event, books.waiting = books.waiting, None
+    except BaseException:
+        with _books_lock:
+            books.sending = False
+        raise
 
 
 def _forget_finished(now: float) -> None:
     terminal = STATUS_RANK[Batch.Status.COMPLETED.value]
-    for pk in [pk for pk, sent in _last_sent.items() if sent.stage[0] >= terminal and now - sent.at > FORGET_AFTER_S]:
-        del _last_sent[pk]
+    for pk in [pk for pk, b in _books.items()
+               if b.stage[0] >= terminal and not b.sending and now - b.at > FORGET_AFTER_S]:
+        del _books[pk]

@@ -312,6 +312,38 @@ def test_events_of_threads_that_publish_out_of_order_reach_a_subscriber_in_order
     assert received[-1] == 40  # the newest state always goes out
 
 
+def test_a_hanging_send_holds_up_no_other_publisher_and_the_newest_state_follows_it(db, tenant, monkeypatch):
+    from controlplane.api import layer as api_layer
+
+    batch = native_batch(tenant, 5)
+    sent: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    def send(group: str, message: dict) -> None:  # the first send hangs until released, as on a stuck layer
+        if not started.is_set():
+            started.set()
+            release.wait(10)
+        sent.append(message["completed"])
+
+    monkeypatch.setattr(api_layer, "group_send", send)
+
+    def state(completed: int) -> Batch:
+        copied = copy.copy(batch)
+        copied.completed_count = completed
+        return copied
+
+    first = threading.Thread(target=events.publish, args=(state(1),))
+    first.start()
+    assert started.wait(5)
+    began = time.monotonic()
+    for completed in (2, 4, 3):  # each returns at once; 3 is older than 4, which was decided: dropped
+        events.publish(state(completed))
+    assert time.monotonic() - began < 1
+    release.set()
+    first.join(5)
+    assert sent == [1, 4]  # the newest waiting state went out after the hung one, from the thread that sent it
+
+
 # ------------------------------------------------------------------------------------- with the worker
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.real_model
