@@ -28,7 +28,6 @@ from controlplane.dashboard.access import account_or_404
 
 PAGE_SIZE = 25
 Status = Batch.Status
-# Where a status sits on a batch's way to the end: the page's script never lets a late event move a row back.
 # services.cancel_batch accepts these; the button is offered only for them.
 CANCELLABLE = (Status.VALIDATING, Status.IN_PROGRESS)
 DOWNLOAD_LABELS = {"output": "Output", "errors": "Errors", "results": "Results"}
