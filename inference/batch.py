@@ -44,15 +44,18 @@ class DecodeGroup:
     kv_lens: torch.Tensor  # [L, B, Hkv] entries per head after this step's write
     observers: list[CompressionState | None] | None = None  # per row, when any row compresses
     received: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, nb * block_size], observed
+    # or every layer's at once, [L, B, Hkv, nb * block_size], where the one-call CPU layers wrote them
+    received_layers: torch.Tensor | None = None
 
     def flush_observations(self) -> None:
         """Hand each observed row the attention its entries received in every layer of the step: one add per
         sequence, not one per sequence and layer (on a GPU each add is a launch; 57 sequences over 30 layers
         made decoding host-bound)."""
-        if self.observers is None or not self.received:
+        if self.observers is None or not (self.received or self.received_layers is not None):
             return
-        stacked = torch.stack(self.received)  # [L, B, Hkv, S]
+        stacked = self.received_layers if self.received_layers is not None else torch.stack(self.received)
         self.received.clear()
+        self.received_layers = None
         for row, observer in enumerate(self.observers):
             if observer is not None:
                 observer.add_layers(stacked[:, row])

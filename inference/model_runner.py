@@ -75,12 +75,13 @@ class ModelRunner:
     def _decode_groups(self, decodes: list[ScheduledChunk],
                        cached: list[int]) -> list[tuple[list[ScheduledChunk], list[int]]]:
         """Length-sorted decodes (and their cached entries) in groups: one group when the CPU attention kernel
-        serves every decode: it reads each sequence's own length, so padding costs nothing there, while each extra
-        group is another call per layer with its own thread start-up and tail. Otherwise groups by length (the
-        gathering references pay for padding)."""
+        serves every decode (sequences being compressed included: it gives their received attention too): it
+        reads each sequence's own length, so padding costs nothing there, while each extra group is another call
+        per layer with its own thread start-up and tail. Otherwise groups by length (the gathering references pay
+        for padding)."""
         if not decodes:
             return []
-        if getattr(self.model, "cpu_attention", False) and not any(map(_observer, decodes)):
+        if getattr(self.model, "cpu_attention", False):
             return [(decodes, cached)]
         groups, start = [], 0
         for group in _group_by_length(decodes, cached, self.layout.block_size):

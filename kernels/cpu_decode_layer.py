@@ -80,7 +80,7 @@ class _Step(ctypes.Structure):
                                            "h", "x", "normed", "qkv", "q", "attn", "gate_up", "act", "widened")]
                 + [("has_x", ctypes.c_int64), ("lora", _c), ("decodes", ctypes.c_int64), ("prompts", _c),
                    ("n_prompts", ctypes.c_int64), ("scratch", _c), ("keep", _c), ("kept", ctypes.c_int64),
-                   ("last", ctypes.c_int64), ("lora_kept", _c)])
+                   ("last", ctypes.c_int64), ("lora_kept", _c), ("received", _c)])
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_layer.c's order of a layer's products
@@ -328,13 +328,16 @@ class DecodeStack:
     def start(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor | None,
               lens: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
               pos_cache: torch.Tensor, adapters: AdapterRows | None = None, prompts: Sequence[PromptRows] = (),
-              keep: torch.Tensor | None = None, kept_adapters: AdapterRows | None = None) -> DecodeStep:
+              keep: torch.Tensor | None = None, kept_adapters: AdapterRows | None = None,
+              received: torch.Tensor | None = None) -> DecodeStep:
         """h [rows, hidden] (updated in place): the decodes' rows (one per sequence) first, then the prompt chunks'
         (`prompts`, where `self.prompts`); at most MAX_ROWS rows unless `many_rows`. positions [rows]; slots
         [L, Hkv, rows]; the decodes' tables [L, decodes, Hkv, W] and lens [L, decodes, Hkv] (None: no decodes);
         the KV pool's caches ([N, block, D] and [N, block]); the step's LoRA adapters, if any row has one; keep:
         the rows (ascending, int64) the last layer's output projection and MLP run on, or None for all, and
-        kept_adapters those rows' adapters as rows 0, 1, ... of that layer (LoRABatch.kept; None: none)."""
+        kept_adapters those rows' adapters as rows 0, 1, ... of that layer (LoRABatch.kept; None: none);
+        received: None, or fp32 [L, decodes, Hkv, W * block] that every layer's decode attention fills with the
+        attention each entry received (`cpu_paged_attention.paged_decode_attention`'s `received`)."""
         m = self.model
         rows = h.shape[0]
         assert (rows <= MAX_ROWS or self.many_rows) and h.dtype == self.dtype and h.is_contiguous() and k_cache.shape[1] <= cpa.MAX_BLOCK
@@ -364,6 +367,11 @@ class DecodeStack:
                        tables.data_ptr(), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                        pos_cache.data_ptr(), h.data_ptr(), *pointers, widened.data_ptr(), 0, None, decodes)
         held: tuple = (positions, slots, tables, lens, scratch, widened, k_cache, v_cache, pos_cache)
+        if received is not None:
+            assert received.dtype == torch.float32 and received.is_contiguous() and received.shape == (
+                len(self.layers), decodes, m.hkv, width * k_cache.shape[1])
+            struct.received = received.data_ptr()
+            held += (received,)
         if prompts:
             held += self._prompts(struct, prompts)
         kept = None

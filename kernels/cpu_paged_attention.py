@@ -38,7 +38,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         for fn in (lib.hearth_paged_decode_f32, lib.hearth_paged_decode_bf16):
             fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
-                           + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int64])
+                           + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_void_p])
             fn.restype = None
         lib.hearth_paged_decode_pairs.argtypes = [ctypes.c_int64]
         lib.hearth_paged_decode_pairs.restype = ctypes.c_int64
@@ -67,9 +67,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos_cache: torch.Tensor,
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, q_positions: torch.Tensor,
                            scale: float, sliding_window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, received: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [N, block_size, D] and [N, block_size] int32; block_tables [B, Hkv, nb];
-    kv_lens [B, Hkv]; q_positions [B] -> [B, Hq, D]."""
+    kv_lens [B, Hkv]; q_positions [B] -> [B, Hq, D].
+
+    received: None, or fp32 [B, Hkv, nb * block_size] to fill, from the same pass, with the attention each entry
+    received (its probabilities summed over the kv head's query heads, 0 where no query saw it): what
+    `kv_compress.paged_decode_attention_received_ref` returns beside the output, for sequences being compressed."""
     lib = _library()
     assert lib is not None
     batch, num_q_heads, head_dim = q.shape
@@ -79,10 +83,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lens = kv_lens.to(torch.int32).contiguous()
     positions = q_positions.to(torch.int64).contiguous()
     out = torch.empty_like(q)
+    if received is not None:
+        assert received.dtype == torch.float32 and received.is_contiguous() and received.shape == (
+            batch, num_kv_heads, width * k_cache.shape[1])
     kernel = lib.hearth_paged_decode_f32 if q.dtype == torch.float32 else lib.hearth_paged_decode_bf16
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos_cache.data_ptr(), tables.data_ptr(),
            lens.data_ptr(), positions.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
-           k_cache.shape[1], width, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+           k_cache.shape[1], width, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
+           received.data_ptr() if received is not None else None)
     return out
 
 

@@ -213,16 +213,15 @@ class DecoderLM:
     def _decode_step(self, h: torch.Tensor, batch: AttentionBatch, kv: KVPool,
                      keep: torch.Tensor | None) -> cpu_decode_layer.DecodeStep | None:
         """This step on the one-call layers, or None where it needs the Python forward (adapters whose products
-        are not on its kernels, prompt chunks off the C prompt kernels, sequences being compressed, more rows
-        than the stack's products take). keep: as `forward` takes it, for the last layer."""
+        are not on its kernels, prompt chunks off the C prompt kernels or observed for compression, more rows
+        than the stack's products take). Decodes of sequences being compressed run here too: the attention
+        kernel fills `group.received_layers` with what their entries received, every layer's at once. keep: as `forward` takes it, for the last layer."""
         stack = self.decode_stack
         if (stack is None or len(batch.decode_groups) > 1 or (batch.prefills and not stack.prompts)
                 or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not stack.many_rows)
                 or kv.k.shape[1] > cpa.MAX_BLOCK):
             return None
         group = batch.decode_groups[0] if batch.decode_groups else None
-        if group is not None and group.observers is not None:
-            return None
         prompts = self._prompt_rows(batch)
         if prompts is None or not (group or prompts) or (keep is not None and not bool((keep[1:] > keep[:-1]).all())):
             return None  # (the layers move kept rows forward in place: ascending only)
@@ -234,9 +233,14 @@ class DecoderLM:
             kept_adapters = kept.slots.one_call(kept) if kept is not None else None
             if adapters is None or (kept is not None and kept_adapters is None):
                 return None
+        received = None
+        if group is not None and group.observers is not None:  # sequences being compressed: every layer's scores
+            tables = group.block_tables
+            received = group.received_layers = torch.empty(*tables.shape[:3], tables.shape[3] * kv.k.shape[1],
+                                                            dtype=torch.float32)
         return stack.start(h, batch.positions, batch.slots, group.block_tables if group else None,
                            group.kv_lens if group else None, kv.k, kv.v, kv.pos, adapters, prompts=prompts,
-                           keep=keep, kept_adapters=kept_adapters)
+                           keep=keep, kept_adapters=kept_adapters, received=received)
 
     @staticmethod
     def _prompt_rows(batch: AttentionBatch) -> list[cpu_decode_layer.PromptRows] | None:
@@ -416,9 +420,13 @@ class DecoderLM:
                 if group.observers is not None:
                     received = self.triton.received(q[rows], kv.k, kv.pos, tables, lens, batch.positions[rows],
                                                     self.scale, window, softcap)
-            elif self.cpu_attention and group.observers is None and kv.k.shape[1] <= cpa.MAX_BLOCK:
+            elif self.cpu_attention and kv.k.shape[1] <= cpa.MAX_BLOCK:
+                # (sequences being compressed: the scores their entries received, from the same pass)
+                received = (None if group.observers is None else
+                            torch.empty(*tables.shape[:2], tables.shape[2] * kv.k.shape[1], dtype=torch.float32))
                 out[rows] = cpa.paged_decode_attention(q[rows], kv.k, kv.v, kv.pos, tables, lens,
-                                                       batch.positions[rows], self.scale, window, softcap)
+                                                       batch.positions[rows], self.scale, window, softcap,
+                                                       received=received)
             else:
                 mask = self._decode_mask(index, window, group, tables, batch, kv)
                 if group.observers is None:

@@ -42,7 +42,8 @@ typedef void (*rope_fn)(void *qk, int64_t qk_stride, const void *v, int64_t v_st
 typedef void (*attention_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *pos_cache,
                              const int64_t *tables, const int32_t *kv_lens, const int64_t *q_pos, void *out,
                              int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim, int64_t block_size,
-                             int64_t width, float scale, int64_t window, float softcap, int64_t threads);
+                             int64_t width, float scale, int64_t window, float softcap, int64_t threads,
+                             float *received);
 typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t threads);
 typedef void (*causal_fn)(const void *q, const void *k, const void *v, void *out, int64_t sq, int64_t sk, int64_t sv,
                           int64_t T, int64_t hq, int64_t hkv, int64_t D, float scale, int64_t bf16, float *scratch,
@@ -141,6 +142,8 @@ typedef struct {
     const int64_t *keep; /* NULL, or the rows (ascending) the last layer's output projection and MLP run on */
     int64_t kept, last;  /* how many rows keep lists; the last layer's index */
     const Lora *lora_kept; /* with keep: the adapters of the kept rows, in their new places (NULL: none) */
+    float *received; /* NULL, or [L, decodes, hkv, width * block_size]: the attention each decode's entries
+                      * received in each layer, for sequences being compressed (paged_decode.c) */
 } Step;
 
 /* y = x W^T (+ bias) on the entry point the Python forward would call for this many rows (the caller only
@@ -260,7 +263,8 @@ static void attend(const Model *M, const Layer *L, const Step *S, int64_t index)
     if (n > 0)
         ((attention_fn)M->attention)(S->q, S->k_cache, S->v_cache, S->pos_cache, S->tables + index * n * hkv * S->width,
                                      S->lens + index * n * hkv, S->positions, S->attn, n, hq, hkv, d, S->block_size,
-                                     S->width, M->scale, L->window, M->softcap, M->threads);
+                                     S->width, M->scale, L->window, M->softcap, M->threads,
+                                     S->received ? S->received + index * n * hkv * S->width * S->block_size : NULL);
     for (int64_t p = 0; p < S->n_prompts; p++) {
         const Prompt *P = &S->prompts[p];
         const int64_t T = P->end - P->start;

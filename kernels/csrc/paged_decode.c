@@ -18,11 +18,17 @@
  * The tiles and the prefetcher are in paged_decode_tiles.h.
  * Masking is by stored position, as in kernels/paged_attention.py: entries past kv_len, after the query's
  * position, or outside a sliding window are skipped, so compressed heads (entries dropped) are served too.
+ * A sequence being compressed also needs the attention each of its entries received (its probabilities summed
+ * over the kv head's query heads, kernels/kv_compress.py's reference): with `received` given, each chunk's
+ * exponentials are kept beside the pass and scaled by the head's final max and sum at the end (`observed`), so
+ * the scores come from the same single read of the keys.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "paged_decode_tiles.h"
@@ -88,6 +94,59 @@ static inline __attribute__((always_inline)) void softmax_chunk(float *s, int64_
     *run_sum = *run_sum * *shrink + total;
 }
 
+/* What an observed pair keeps while it runs: each visible entry's exponentials (per query head, against the
+ * running max of its chunk), its index in the head's entries, and per chunk that max and where the chunk ends.
+ * Per thread, grown to the largest pair seen (sizes follow kv_len, which has no fixed bound). */
+typedef struct {
+    float *ex;        /* [groups, len] */
+    int32_t *index;   /* [len] */
+    float *chunk_max; /* [groups, chunks] */
+    int64_t *chunk_end;
+    int64_t len, chunks, capacity; /* chunks so far, and room for */
+} observed;
+
+static _Thread_local char *observed_buffer;
+static _Thread_local size_t observed_size;
+
+static void observed_start(observed *o, int64_t groups, int64_t len, int64_t block_size) {
+    const int64_t chunks = (len + block_size - 1) / block_size + 1; /* a chunk takes at least one block */
+    const size_t need = (size_t)(groups * len + groups * chunks) * sizeof(float) + (size_t)len * sizeof(int32_t)
+                        + (size_t)chunks * sizeof(int64_t) + 64 * sizeof(int32_t);
+    if (need > observed_size) {
+        free(observed_buffer);
+        observed_buffer = malloc(need);
+        observed_size = observed_buffer ? need : 0;
+        if (!observed_buffer) { /* no memory for a few floats an entry: the process is out of it anyway */
+            fputs("hearth_paged_decode: out of memory for the received attention\n", stderr);
+            abort();
+        }
+    }
+    o->chunk_end = (int64_t *)observed_buffer;
+    o->ex = (float *)(o->chunk_end + chunks);
+    o->chunk_max = o->ex + groups * len;
+    o->index = (int32_t *)(o->chunk_max + groups * chunks);
+    o->len = len;
+    o->chunks = 0;
+    o->capacity = chunks;
+}
+
+/* received[e] for each of the pair's `width` entries: sum over its query heads of exp(s - chunk max) scaled to
+ * the head's final max and sum, 0 for entries no query saw. */
+static void observed_finish(const observed *o, const float *run_max, const float *run_sum, int64_t groups,
+                            float *received, int64_t width) {
+    memset(received, 0, (size_t)width * sizeof(float));
+    float factor[MAX_GROUPS];
+    for (int64_t c = 0, p = 0; c < o->chunks; c++) {
+        for (int64_t g = 0; g < groups; g++)
+            factor[g] = run_sum[g] > 0.f ? expf(o->chunk_max[g * o->capacity + c] - run_max[g]) / run_sum[g] : 0.f;
+        for (; p < o->chunk_end[c]; p++) {
+            float total = 0.f;
+            for (int64_t g = 0; g < groups; g++) total += o->ex[g * o->len + p] * factor[g];
+            received[o->index[p]] = total;
+        }
+    }
+}
+
 /* How a pair's arithmetic runs: eight-lane loops (any build), sixteen-lane ones (AVX-512, head_dim % 16 == 0),
  * or bf16 rows read 32 entries at a time (AVX-512, bf16 pool, head_dim % 32 == 0; BF16 dot-product scores where
  * the build has them). */
@@ -103,7 +162,7 @@ static inline __attribute__((always_inline)) void decode_pair(
     int64_t pair, const void *q, const void *k_cache, const void *v_cache, const int32_t *pos_cache,
     const int64_t *tables, const int32_t *kv_lens, const int64_t *q_pos, void *out, int64_t num_q_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale, int64_t window,
-    float softcap, int64_t elem, int mode, prefetcher *pf, load8_fn load8, store8_fn store8) {
+    float softcap, int64_t elem, int mode, prefetcher *pf, load8_fn load8, store8_fn store8, float *received) {
     (void)elem; /* read by the sixteen-lane loops only */
     const int64_t groups = num_q_heads / num_kv_heads;
     const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
@@ -114,10 +173,15 @@ static inline __attribute__((always_inline)) void decode_pair(
     float shrink[MAX_GROUPS], scores[MAX_GROUPS * CHUNK];
     int64_t rows[CHUNK + 8]; /* where each kept entry's row starts in the caches, in elements (+ 8: the vector
                               * stores below write whole vectors past the last kept entry) */
+    int32_t index[CHUNK + 16]; /* observed pairs: each kept entry's index in the head's entries (+ 16: as rows) */
+    observed obs;
+    const int observe = received != 0;
+    if (observe) observed_start(&obs, groups, len, block_size);
     for (int64_t i = 0; i < groups * head_dim; i += 8) /* head_dim % 8 == 0 */
         _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(q, q0 + i), _mm256_set1_ps(scale)));
     memset(acc, 0, (size_t)(groups * head_dim) * sizeof(float));
     for (int64_t g = 0; g < groups; g++) { run_max[g] = -INFINITY; run_sum[g] = 0.f; }
+    int64_t seen_total = 0; /* observed pairs: visible entries so far */
     for (int64_t start = 0; start < len;) {
         int64_t kept = 0;
         int64_t seen = 0;
@@ -132,11 +196,16 @@ static inline __attribute__((always_inline)) void decode_pair(
             const __m512i after = _mm512_set1_epi32(window > 0 ? (int32_t)(qp - window) : INT32_MIN);
             const int64_t d = head_dim;
             const __m512i first8 = _mm512_set_epi64(7 * d, 6 * d, 5 * d, 4 * d, 3 * d, 2 * d, d, 0);
+            const __m512i iota16 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
             for (int64_t j = 0; j < n; j += 16) {
                 const __mmask16 in = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
                 const __m512i p = _mm512_maskz_loadu_epi32(in, pos + j);
                 const __mmask16 vis =
                     _mm512_mask_cmple_epi32_mask(in, p, q_at) & _mm512_cmpgt_epi32_mask(p, after);
+                if (observe)
+                    _mm512_storeu_si512(index + kept, _mm512_maskz_compress_epi32(
+                                                          vis, _mm512_add_epi32(_mm512_set1_epi32((int32_t)(start + j)),
+                                                                                iota16)));
                 const __m512i r = _mm512_add_epi64(first8, _mm512_set1_epi64((blk * block_size + j) * head_dim));
                 _mm512_storeu_si512(rows + kept, _mm512_maskz_compress_epi64((__mmask8)vis, r));
                 kept += __builtin_popcount(vis & 0xffu);
@@ -148,6 +217,7 @@ static inline __attribute__((always_inline)) void decode_pair(
 #else
             for (int64_t j = 0; j < n; j++) { /* branch-free: kept only moves on for a visible entry */
                 rows[kept] = (blk * block_size + j) * head_dim;
+                if (observe) index[kept] = (int32_t)(start + j);
                 kept += pos[j] <= qp && (window <= 0 || pos[j] > qp - window);
             }
 #endif
@@ -169,6 +239,15 @@ static inline __attribute__((always_inline)) void decode_pair(
             float *s = scores + g * CHUNK;
             if (mode == LANES8) block_scores(qf + g * head_dim, k_cache, rows, kept, head_dim, s, load8);
             softmax_chunk(s, kept, softcap, run_max + g, run_sum + g, shrink + g);
+            if (observe) { /* before the value loops, which may round the probabilities in place */
+                memcpy(obs.ex + g * len + seen_total, s, (size_t)kept * sizeof(float));
+                obs.chunk_max[g * obs.capacity + obs.chunks] = run_max[g];
+            }
+        }
+        if (observe) {
+            memcpy(obs.index + seen_total, index, (size_t)kept * sizeof(int32_t));
+            seen_total += kept;
+            obs.chunk_end[obs.chunks++] = seen_total;
         }
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
@@ -180,6 +259,8 @@ static inline __attribute__((always_inline)) void decode_pair(
 #endif
         if (mode == LANES8) values(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups, load8);
     }
+    if (observe) observed_finish(&obs, run_max, run_sum, groups, received + pair * width * block_size,
+                                 width * block_size);
     for (int64_t g = 0; g < groups; g++) { /* out = acc / sum, eight channels a store */
         const __m256 inv = _mm256_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
         const float *a = acc + g * head_dim;
@@ -214,7 +295,7 @@ static inline __attribute__((always_inline)) void decode_pair(
 
 /* Pairs are dealt round robin (thread t takes t, t + T, ...), so each thread's prefetcher knows which blocks it
  * reads next; it starts LEAD entries ahead of the thread's first pair. */
-#define DECODE_PAIRS(ELEM, MODE, LOAD8, STORE8)                                                          \
+#define DECODE_PAIRS(ELEM, MODE, LOAD8, STORE8, RECEIVED)                                                        \
     _Pragma("omp parallel num_threads(threads > 0 ? threads : 1)")                                            \
     {                                                                                                         \
         const int64_t t = omp_get_thread_num(), team = omp_get_num_threads(), pairs = batch * num_kv_heads;   \
@@ -225,40 +306,50 @@ static inline __attribute__((always_inline)) void decode_pair(
         for (int64_t pair = t; pair < pairs; pair += team)                                                    \
             decode_pair(pair, q, k_cache, v_cache, pos_cache, tables, kv_lens, q_pos, out, num_q_heads,       \
                         num_kv_heads, head_dim, block_size, width, scale, window, softcap, ELEM, MODE, &pf,   \
-                        LOAD8, STORE8);                                                                \
+                        LOAD8, STORE8, RECEIVED);                                                             \
     }
 
+/* The observed and plain passes are separate copies (RECEIVED a constant null in the plain one), so a step with no
+ * sequence being compressed runs without the bookkeeping's branches. */
 #ifdef __AVX512F__
-#define DECODE_ALL(ELEM, LOAD8, STORE8)                                                                   \
+#define DECODE_MODES(ELEM, LOAD8, STORE8, RECEIVED)                                                           \
     if (ELEM == 2 && head_dim % 32 == 0) {                                                                    \
-        DECODE_PAIRS(ELEM, PAIRS, LOAD8, STORE8)                                                       \
+        DECODE_PAIRS(ELEM, PAIRS, LOAD8, STORE8, RECEIVED)                                                    \
     } else if (head_dim % 16 == 0) {                                                                          \
-        DECODE_PAIRS(ELEM, LANES16, LOAD8, STORE8)                                                     \
+        DECODE_PAIRS(ELEM, LANES16, LOAD8, STORE8, RECEIVED)                                                  \
     } else {                                                                                                  \
-        DECODE_PAIRS(ELEM, LANES8, LOAD8, STORE8)                                                      \
+        DECODE_PAIRS(ELEM, LANES8, LOAD8, STORE8, RECEIVED)                                                   \
     }
 #else
-#define DECODE_ALL(ELEM, LOAD8, STORE8) do { DECODE_PAIRS(ELEM, LANES8, LOAD8, STORE8) } while (0)
+#define DECODE_MODES(ELEM, LOAD8, STORE8, RECEIVED)                                                           \
+    { DECODE_PAIRS(ELEM, LANES8, LOAD8, STORE8, RECEIVED) }
 #endif
+#define DECODE_ALL(ELEM, LOAD8, STORE8)                                                                       \
+    if (received) {                                                                                           \
+        DECODE_MODES(ELEM, LOAD8, STORE8, received)                                                           \
+    } else {                                                                                                  \
+        DECODE_MODES(ELEM, LOAD8, STORE8, (float *)0)                                                         \
+    }
 
 /* q [B, Hq, D]; k_cache, v_cache [NB, BS, D]; pos_cache [NB, BS] int32; tables [B, Hkv, W] int64;
  * kv_lens [B, Hkv] int32; q_pos [B] int64; out [B, Hq, D]. window <= 0: none; softcap <= 0: none.
  * D % 8 == 0, BS <= MAX_BLOCK, Hq / Hkv <= MAX_GROUPS, (Hq / Hkv) * D <= MAX_GROUP_DIM (the caller checks).
- * q, the caches and out are all fp32 (_f32) or all bf16 (_bf16). */
+ * q, the caches and out are all fp32 (_f32) or all bf16 (_bf16). received: null, or [B, Hkv, W * BS] fp32 for
+ * the attention each entry received (summed over the kv head's query heads; 0 for entries no query saw). */
 void hearth_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *pos_cache,
                              const int64_t *tables, const int32_t *kv_lens, const int64_t *q_pos, float *out,
                              int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t width, float scale, int64_t window, float softcap,
-                             int64_t threads) {
-    DECODE_ALL(4, load8_f32, store8_f32);
+                             int64_t threads, float *received) {
+    DECODE_ALL(4, load8_f32, store8_f32)
 }
 
 void hearth_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                               const int32_t *pos_cache, const int64_t *tables, const int32_t *kv_lens,
                               const int64_t *q_pos, uint16_t *out, int64_t batch, int64_t num_q_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale,
-                              int64_t window, float softcap, int64_t threads) {
-    DECODE_ALL(2, load8_bf16, store8_bf16);
+                              int64_t window, float softcap, int64_t threads, float *received) {
+    DECODE_ALL(2, load8_bf16, store8_bf16)
 }
 
 /* Whether bf16 pools of this head_dim weigh their values by dot products here (values_dot: the probabilities rounded

@@ -301,3 +301,60 @@ def test_steps_with_prompt_chunks_and_adapters_run_here_with_the_python_forward_
     python = LLM(base, config)
     python.engine.runner.model.decode_stack = None
     assert fused == outputs(python)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sequences_being_compressed_decode_here_with_the_python_forward_results(
+        isa: str, tiny_models: dict[str, Path], arch: str, dtype: str) -> None:
+    """Decodes of sequences whose KV is being compressed (beside one that is not) take the one-call layers, the
+    attention kernel giving the scores their entries received from the same pass: the Python forward's tokens,
+    logprobs and evictions, bit for bit; and in fp32 the torch reference's (gathered blocks) tokens."""
+    from inference import GenerationRequest
+
+    config = EngineConfig(device="cpu", dtype=dtype, kv_cache_memory="16MiB", block_size=8,
+                          enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True)
+    seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh prompts each run, the same for every path below
+
+    def outputs(llm: LLM) -> list[tuple[list[int], list[float], dict | None]]:
+        vocab = llm.engine.model.vocab_size
+        prompts = [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed + n)).tolist()
+                   for n in (300, 410)]
+        engine, done = llm.engine, {}
+        requests = [GenerationRequest(prompts[0], params, kv_compression={"rate": 4}),
+                    GenerationRequest(prompts[1], params, kv_compression={"max_cache_tokens": 64}),
+                    GenerationRequest(prompts[1][:280], params)]
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [(done[r.request_id].token_ids, [lp.logprob for lp in done[r.request_id].all_logprobs],
+                 done[r.request_id].kv_compression) for r in requests]
+
+    here = LLM(tiny_models[arch], config)
+    model = here.engine.runner.model
+    observed: list[int] = []
+    start = model.decode_stack.start
+
+    def recording(h: torch.Tensor, *args: object, **kwargs: object) -> cpu_decode_layer.DecodeStep:
+        step = start(h, *args, **kwargs)
+        if kwargs.get("received") is not None:
+            observed.append(step.struct.decodes)
+        return step
+
+    model.decode_stack.start = recording
+    fused = outputs(here)
+    assert all(report["compressions"] >= 2 for _, _, report in fused[:2]) and fused[2][2] is None
+    # three sequences decoding, two of them observed (steps of three rows come here where many rows do)
+    assert observed.count(3) >= (30 if model.decode_stack.many_rows else 0)
+
+    model.decode_stack = None
+    assert outputs(here) == fused  # the Python forward, on the same attention kernel
+    if dtype == "float32":
+        model.cpu_attention = False  # the torch references: gathered blocks, the received scores from them
+        reference = outputs(here)
+        assert [tokens for tokens, _, _ in reference] == [tokens for tokens, _, _ in fused]
+        assert [report for _, _, report in reference] == [report for _, _, report in fused]
+        for (_, got, _), (_, want, _) in zip(fused, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

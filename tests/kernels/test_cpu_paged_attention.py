@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import cpu_paged_attention as cpa
+from kernels import kv_compress as kc
 from kernels import paged_attention as pa
 
 pytestmark = [pytest.mark.skipif(not cpa.available(),
@@ -93,6 +94,36 @@ def test_bf16_pools_match_the_fp32_reference_within_bf16_rounding(seed: int) -> 
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3)
     # and as close to it as the bf16 reference gets, or closer
     assert error.max() <= ref_error.max() + 1e-3
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_received_attention_matches_the_reference(seed: int) -> None:
+    """With `received`, the pass also gives the attention each entry received (a sequence being compressed),
+    as the reference computes it from the same probabilities: fp32 and bf16 pools, dense and compressed heads,
+    every tile shape, windows and softcaps, entries past each head's length and masked ones at 0; the output is
+    the plain call's, bit for bit."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    kv_heads = 1 + seed % 3
+    q_heads = kv_heads * (1, 3, 7, 4, 2, 5, 3, 9)[seed]
+    head_dim = (64, 40, 128, 64, 16, 32, 96, 64)[seed]
+    block_size = (16, 4, 32, 64, 16, 8, 16, 1)[seed]
+    window = 9 if seed in (2, 5) else None
+    softcap = 30.0 if seed in (4, 7) else None
+    q, k, v, pos, tables, lens, q_pos = _case(gen, 1 + seed % 4, q_heads, kv_heads, head_dim, block_size,
+                                              seed % 2 == 1)
+    if seed >= 4:
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scale = head_dim ** -0.5
+    mask = pa.decode_mask(pos, tables, lens, q_pos, window)
+    want_out, want = kc.paged_decode_attention_received_ref(q, k, v, tables, mask, scale, softcap)
+    received = torch.full((q.shape[0], kv_heads, tables.shape[-1] * block_size), float("nan"))
+    out = cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window, softcap, received=received)
+    torch.testing.assert_close(received, want, rtol=1e-4, atol=1e-6)
+    assert torch.equal(out, cpa.paged_decode_attention(q, k, v, pos, tables, lens, q_pos, scale, window, softcap))
+    # each query head's probabilities sum to one: a kv head's entries received its query heads' count
+    torch.testing.assert_close(received.sum(-1), torch.full(lens.shape, float(q_heads // kv_heads)))
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-5)
 
 
 def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
