@@ -42,6 +42,9 @@ def _library() -> ctypes.CDLL | None:
         lib.hearth_gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         lib.hearth_gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
         lib.hearth_gemv_f32.restype = lib.hearth_gemv_bf16.restype = None
+        lib.hearth_gemv_argmax_f32.argtypes = lib.hearth_gemv_f32.argtypes
+        lib.hearth_gemv_argmax_bf16.argtypes = lib.hearth_gemv_bf16.argtypes
+        lib.hearth_gemv_argmax_f32.restype = lib.hearth_gemv_argmax_bf16.restype = ctypes.c_int64
         for fn in (lib.hearth_gemv_block_width, lib.hearth_gemv_bf16_pairs):
             fn.argtypes, fn.restype = [], ctypes.c_int64
     return lib
@@ -162,6 +165,30 @@ def gemv(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) 
         lib.hearth_gemv_bf16(x.data_ptr(), weight.packed.data_ptr(), b, y.data_ptr(), m, n, k, threads,
                              widened.data_ptr() if widened is not None else None)
     return y
+
+
+def gemv_argmax(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [m]: each row's `torch.argmax(gemv(x, weight, bias), dim=-1)` (the first index of the maximum; a
+    row with a NaN, its first NaN) for m <= MAX_ROWS, without storing the products: a greedy decode's tokens from
+    the LM head, each thread folding the outputs it computed while they are in its cache."""
+    lib = _library()
+    assert lib is not None and x.shape[0] <= MAX_ROWS
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, dtype=torch.int64)
+    b = bias.contiguous().data_ptr() if bias is not None else None
+    threads = torch.get_num_threads()
+    if weight.dtype == torch.float32:
+        failed = lib.hearth_gemv_argmax_f32(x.data_ptr(), weight.packed.data_ptr(), b, out.data_ptr(), m,
+                                            weight.out_features, k, threads)
+    else:
+        widened = None if weight.packed.dim() == 4 else torch.empty(m, k, dtype=torch.float32)
+        failed = lib.hearth_gemv_argmax_bf16(x.data_ptr(), weight.packed.data_ptr(), b, out.data_ptr(), m,
+                                             weight.out_features, k, threads,
+                                             widened.data_ptr() if widened is not None else None)
+    if failed:
+        raise MemoryError("gemv_argmax: no memory for the rows' running maxima")
+    return out
 
 
 def gemm_kernel(weight: GemvWeight) -> ctypes._CFuncPtr | None:

@@ -97,11 +97,14 @@ class Linear:
         return self(x).float()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """argmax(self.fp32(x), dim=-1) as int64 [rows]: on the GEMM, without storing the products (a greedy
-        step's tokens from the LM head: cpu_gemv.gemm_argmax)."""
-        if self.gemm and self.gemv_weight is not None and x.dim() == 2 and x.shape[0] > cpu_gemv.MAX_ROWS:
-            return cpu_gemv.gemm_argmax(x, self.gemv_weight, self.bias)
-        return cpu_argmax.argmax(self.fp32(x))
+        """argmax(self.fp32(x), dim=-1) as int64 [rows]: on the GEMV (one or two rows) or the GEMM, without
+        storing the products (a greedy step's tokens from the LM head: cpu_gemv.gemv_argmax, gemm_argmax)."""
+        if self.gemv_weight is not None and x.dim() == 2:
+            if x.shape[0] <= cpu_gemv.MAX_ROWS:
+                return cpu_gemv.gemv_argmax(x, self.gemv_weight, self.bias)
+            if self.gemm:
+                return cpu_gemv.gemm_argmax(x, self.gemv_weight, self.bias)
+        return cpu_argmax.argmax(self(x))  # = argmax(self(x).float()): bf16 values widen exactly
 
 
 class Int8Linear:
@@ -129,7 +132,7 @@ class Int8Linear:
         return self(x).float()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_argmax.argmax(self.fp32(x))
+        return cpu_argmax.argmax(self(x))  # = argmax(self.fp32(x)): bf16 values widen exactly
 
 
 LinearLayer = Linear | Int8Linear

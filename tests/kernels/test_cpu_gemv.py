@@ -119,3 +119,46 @@ def test_blocks_hold_each_output_at_its_place_and_zeros_past_the_last(pairs: boo
             for j in range(block):
                 row = out[b, :, j].reshape(-1) if pairs else out[b, :, j]
                 assert torch.equal(row, padded[b * block + j]), (n, k, block, b, j)
+
+
+@pytest.mark.parametrize("team", [1, 2, 7])
+def test_argmax_of_one_or_two_rows_is_torchs_argmax_of_the_products(team: int) -> None:
+    """A greedy decode's tokens from the head without storing its outputs (`gemv_argmax`, `Linear.argmax` for
+    one or two rows): torch.argmax of what `gemv` stores, on every build, dtype and team (7 threads on fewer
+    cores: blocks taken out of order). Small integers make exact ties, which go to the first index wherever the
+    tied blocks land; a NaN output wins, a row's first NaN first."""
+    gen = torch.Generator().manual_seed(40 + team)
+    block = int(cpu_gemv._library().hearth_gemv_block_width())
+    before = torch.get_num_threads()
+    torch.set_num_threads(team)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for m in (1, 2):
+                for n, k, ties in ((1000, 64, True), (23 * block + 3, 96, True), (5 * block, 576, False),
+                                   (77, 66, False), (49152 // 8, 40, False)):
+                    if ties:
+                        x = torch.randint(-2, 3, (m, k), generator=gen).to(dtype)
+                        w = torch.randint(-1, 2, (n, k), generator=gen).to(dtype)
+                    else:
+                        x = torch.randn(m, k, generator=gen).to(dtype)
+                        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+                    bias = torch.randn(n, generator=gen).to(dtype) if not ties else None
+                    layer = Linear(w, bias)
+                    want = cpu_gemv.gemv(x, layer.gemv_weight, bias).float().argmax(dim=-1)
+                    assert torch.equal(want, layer.fp32(x).argmax(dim=-1))
+                    got = cpu_gemv.gemv_argmax(x, layer.gemv_weight, bias)
+                    assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, m, n, k)
+                    assert torch.equal(layer.argmax(x), want)
+                n, k = 9 * block + 5, 64
+                w = torch.randn(n, k, generator=gen).to(dtype)
+                w[7 * block + 2] = float("nan")
+                w[block + 1] = float("nan")
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                if m == 2:
+                    x[1, 3] = float("nan")  # NaN everywhere in that row: its first output wins
+                layer = Linear(w)
+                want = layer.fp32(x).argmax(dim=-1)
+                assert want[0] == block + 1 and (m == 1 or want[1] == 0)
+                assert torch.equal(cpu_gemv.gemv_argmax(x, layer.gemv_weight), want)
+    finally:
+        torch.set_num_threads(before)
