@@ -79,7 +79,7 @@ class SeqBlocks:
 
 @dataclass(slots=True)
 class CompactionPlan:
-    """Where each kept entry moves: flat slot ids, in the same order (gather all, then write all)."""
+    """Where each kept entry that moves goes: flat slot ids, in the same order (gather all, then write all)."""
 
     src: np.ndarray  # [n] int64
     dst: np.ndarray  # [n] int64
@@ -235,15 +235,15 @@ class BlockManager:
                 used_fresh += extra
                 new_table[layer, head, :n] = dest
                 spare.extend(mine[n:])
-        src_parts, dst_parts = [], []
-        for layer in range(lay.num_layers):
-            for head in range(lay.num_kv_heads):
-                index = np.flatnonzero(keep[layer, head]).astype(np.int64)
-                if index.size == 0:
-                    continue
-                src_parts.append(seq.table[layer, head, index // bs].astype(np.int64) * bs + index % bs)
-                order = np.arange(index.size, dtype=np.int64)
-                dst_parts.append(new_table[layer, head, order // bs].astype(np.int64) * bs + order % bs)
+        # Every kept entry at once, in (layer, head, entry) order: where it is, and where it goes (its rank among
+        # its head's kept entries). Entries before a head's first eviction stay where they are, in the blocks the
+        # head keeps: only the others move (a decode-time pass evicts a block's worth from a few hundred).
+        layer_at, head_at, entry_at = np.nonzero(keep)
+        counts = kept.reshape(-1).astype(np.int64)
+        rank = np.arange(entry_at.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        src = seq.table[layer_at, head_at, entry_at // bs].astype(np.int64) * bs + entry_at % bs
+        dst = new_table[layer_at, head_at, rank // bs].astype(np.int64) * bs + rank % bs
+        moves = src != dst
         # Drop the sequence's references to shared groups; they stay in the prefix cache for other requests.
         for column in range(seq.num_columns):
             key = seq.shared[column] if not seq.compressed else None
@@ -257,10 +257,8 @@ class BlockManager:
         seq.num_columns = int(need.max())
         seq.shared = [None] * seq.num_columns
         seq.hashes.clear()
-        empty = np.zeros(0, dtype=np.int64)
-        return CompactionPlan(src=np.concatenate(src_parts) if src_parts else empty,
-                              dst=np.concatenate(dst_parts) if dst_parts else empty,
-                              blocks_before=blocks_before, blocks_after=int(need.sum()))
+        return CompactionPlan(src=src[moves], dst=dst[moves], blocks_before=blocks_before,
+                              blocks_after=int(need.sum()))
 
     def _release_group(self, key: bytes) -> None:
         group = self._groups[key]

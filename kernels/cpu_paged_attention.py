@@ -74,24 +74,49 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     received: None, or fp32 [B, Hkv, nb * block_size] to fill, from the same pass, with the attention each entry
     received (its probabilities summed over the kv head's query heads, 0 where no query saw it): what
     `kv_compress.paged_decode_attention_received_ref` returns beside the output, for sequences being compressed."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _decode(q, k_cache, v_cache, pos_cache, block_tables, kv_lens, q_positions, scale, sliding_window, softcap,
+            out, received)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos_cache: torch.Tensor,
+            block_tables: torch.Tensor, kv_lens: torch.Tensor, q_positions: torch.Tensor, scale: float,
+            sliding_window: int | None, softcap: float | None, out: torch.Tensor | None,
+            received: torch.Tensor | None) -> None:
+    """The kernel's call: out (contiguous, q's shape) and received as `paged_decode_attention` fills them; out
+    None (with received) for the received scores alone, the values left unread."""
     lib = _library()
-    assert lib is not None
+    assert lib is not None and (out is not None or received is not None)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, width = block_tables.shape[1], block_tables.shape[2]
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = kv_lens.to(torch.int32).contiguous()
     positions = q_positions.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
     if received is not None:
         assert received.dtype == torch.float32 and received.is_contiguous() and received.shape == (
             batch, num_kv_heads, width * k_cache.shape[1])
     kernel = lib.hearth_paged_decode_f32 if q.dtype == torch.float32 else lib.hearth_paged_decode_bf16
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos_cache.data_ptr(), tables.data_ptr(),
-           lens.data_ptr(), positions.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
-           k_cache.shape[1], width, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
-           received.data_ptr() if received is not None else None)
-    return out
+           lens.data_ptr(), positions.data_ptr(), out.data_ptr() if out is not None else None, batch, num_q_heads,
+           num_kv_heads, head_dim, k_cache.shape[1], width, scale, sliding_window or 0, softcap or 0.0,
+           torch.get_num_threads(), received.data_ptr() if received is not None else None)
+
+
+def prefill_received_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               pos_cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
+                               q_positions: torch.Tensor, scale: float, sliding_window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
+    """The attention each entry of ONE sequence received from several of its queries (a prompt's last ones, for
+    KV compression): `kv_compress.prefill_received_attention_ref`'s result. q [Tq, Hq, D]; block_table [Hkv, nb];
+    kv_lens [Hkv] -> [Hkv, nb * block_size] fp32. Each query is a decode of the decode kernel over the same
+    blocks, masked by its own position, and their received scores are summed (no outputs: the values unread)."""
+    tokens, width = q.shape[0], block_table.shape[-1]
+    received = torch.empty(tokens, block_table.shape[0], width * k_cache.shape[1], dtype=torch.float32)
+    _decode(q, k_cache, v_cache, pos_cache, block_table.expand(tokens, -1, -1), kv_lens.expand(tokens, -1),
+            q_positions, scale, sliding_window, softcap, None, received)
+    return received.sum(dim=0)
 
 
 @functools.cache

@@ -440,9 +440,15 @@ class DecoderLM:
             s, e = seg.start, seg.end
             if seg.observer is not None:
                 o = e - seg.observe
-                seg.observer.add(index, kc.prefill_received_attention_ref(
-                    q[o:e], kv.k, kv.pos, seg.block_table[index], seg.kv_lens[index], batch.positions[o:e],
-                    self.scale, window, softcap))
+                if self.cpu_attention and kv.k.shape[1] <= cpa.MAX_BLOCK:
+                    received = cpa.prefill_received_attention(
+                        q[o:e], kv.k, kv.v, kv.pos, seg.block_table[index], seg.kv_lens[index],
+                        batch.positions[o:e], self.scale, window, softcap)
+                else:
+                    received = kc.prefill_received_attention_ref(
+                        q[o:e], kv.k, kv.pos, seg.block_table[index], seg.kv_lens[index], batch.positions[o:e],
+                        self.scale, window, softcap)
+                seg.observer.add(index, received)
             if seg.fresh and self.cpu_causal and window is None and softcap is None:
                 cpa.causal_attention(q[s:e], k[s:e], v[s:e], self.scale, out=out[s:e])
             elif seg.fresh:

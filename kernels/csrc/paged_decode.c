@@ -248,6 +248,7 @@ static inline __attribute__((always_inline)) void decode_pair(
             memcpy(obs.index + seen_total, index, (size_t)kept * sizeof(int32_t));
             seen_total += kept;
             obs.chunk_end[obs.chunks++] = seen_total;
+            if (!out) continue; /* the received scores alone (a prompt's observed queries): no values to weigh */
         }
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
@@ -259,8 +260,10 @@ static inline __attribute__((always_inline)) void decode_pair(
 #endif
         if (mode == LANES8) values(acc, scores, shrink, v_cache, rows, kept, pf, head_dim, groups, load8);
     }
-    if (observe) observed_finish(&obs, run_max, run_sum, groups, received + pair * width * block_size,
-                                 width * block_size);
+    if (observe) {
+        observed_finish(&obs, run_max, run_sum, groups, received + pair * width * block_size, width * block_size);
+        if (!out) return;
+    }
     for (int64_t g = 0; g < groups; g++) { /* out = acc / sum, eight channels a store */
         const __m256 inv = _mm256_set1_ps(run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f);
         const float *a = acc + g * head_dim;
@@ -335,7 +338,8 @@ static inline __attribute__((always_inline)) void decode_pair(
  * kv_lens [B, Hkv] int32; q_pos [B] int64; out [B, Hq, D]. window <= 0: none; softcap <= 0: none.
  * D % 8 == 0, BS <= MAX_BLOCK, Hq / Hkv <= MAX_GROUPS, (Hq / Hkv) * D <= MAX_GROUP_DIM (the caller checks).
  * q, the caches and out are all fp32 (_f32) or all bf16 (_bf16). received: null, or [B, Hkv, W * BS] fp32 for
- * the attention each entry received (summed over the kv head's query heads; 0 for entries no query saw). */
+ * the attention each entry received (summed over the kv head's query heads; 0 for entries no query saw); with
+ * received, out may be null for those scores alone. */
 void hearth_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *pos_cache,
                              const int64_t *tables, const int32_t *kv_lens, const int64_t *q_pos, float *out,
                              int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -128,6 +128,10 @@ def test_compaction_moves_exactly_the_kept_entries_and_frees_blocks(shared_prefi
     used_before = blocks.num_used_blocks
     plan = blocks.plan_compaction(seq, keep)
     assert plan is not None
+    assert plan.src.size == plan.dst.size and (plan.src != plan.dst).all()  # entries in place are left alone
+    # moved: each head's entries from its first eviction on; with the prefix shared, all of them (the shared
+    # blocks stay with the cache, so even a head that keeps everything starts over in its one private block)
+    assert plan.src.size == (3 + 18 + 1 + 11 if shared_prefix else 2 + 0 + 1 + 11)
     kv_compress.move_entries_ref(pool.k, pool.v, pool.pos, torch.from_numpy(plan.src), torch.from_numpy(plan.dst))
     assert seq.lens.tolist() == [[3, 18], [1, 11]]
     assert seq.head_blocks.tolist() == [[1, 5], [1, 3]]

@@ -126,6 +126,31 @@ def test_the_received_attention_matches_the_reference(seed: int) -> None:
         torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_prompts_last_queries_received_attention_matches_the_reference(seed: int) -> None:
+    """What a prompt's observed queries give the entries of their sequence (KV compression after prefill), as
+    the torch reference computes it: each query sees the entries at or before its own position (the chunk's
+    later keys are already written), fp32 and bf16, windows and softcaps, heads with gaps."""
+    gen = torch.Generator().manual_seed(400 + seed)
+    kv_heads = 1 + seed % 3
+    q_heads = kv_heads * (3, 1, 7, 2, 4, 3)[seed]
+    head_dim = (64, 32, 128, 40, 64, 96)[seed]
+    block_size = (16, 8, 32, 4, 16, 64)[seed]
+    window = 20 if seed in (1, 4) else None
+    softcap = 30.0 if seed in (2, 5) else None
+    _, k, v, pos, tables, lens, q_pos = _case(gen, 1, q_heads, kv_heads, head_dim, block_size, seed % 2 == 1)
+    tokens = int(torch.randint(1, 33, (), generator=gen))
+    top = int(q_pos[0])
+    positions = torch.arange(top - tokens + 1, top + 1)  # the chunk's last queries; the last sees every entry
+    q = torch.randn(tokens, q_heads, head_dim, generator=gen)
+    if seed >= 3:
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scale = head_dim ** -0.5
+    want = kc.prefill_received_attention_ref(q, k, pos, tables[0], lens[0], positions, scale, window, softcap)
+    got = cpa.prefill_received_attention(q, k, v, pos, tables[0], lens[0], positions, scale, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k = torch.zeros(1, 2, 8), torch.zeros(4, 16, 8)
     assert cpa.supports(q, k, 1)
