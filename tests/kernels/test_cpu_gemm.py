@@ -9,6 +9,7 @@ import torch
 from inference.models.layers import Linear
 from kernels import cpu_fused, cpu_gemv
 from tests.cpu_builds import forget_libraries
+from tests.kernels.products import head_inputs
 
 pytestmark = [pytest.mark.skipif(cpu_gemv._gemm_library() is None,
                                  reason="the CPU GEMM kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -170,13 +171,7 @@ def test_argmax_of_the_products_is_torchs_argmax_of_the_logits(team: int) -> Non
         for dtype in (torch.float32, torch.bfloat16):
             for m, n, k, ties in ((3, 1000, 64, True), (chunk + 7, 23 * block + 3, 96, True),
                                   (32, 5 * block, 896, False), (40, 77, 66, False), (17, 3000, 32, True)):
-                if ties:  # sums of a few small integers: exact in both dtypes, tied in most rows
-                    x = torch.randint(-2, 3, (m, k), generator=gen).to(dtype)
-                    w = torch.randint(-1, 2, (n, k), generator=gen).to(dtype)
-                else:
-                    x = torch.randn(m, k, generator=gen).to(dtype)
-                    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
-                bias = torch.randn(n, generator=gen).to(dtype) if not ties else None
+                x, w, bias = head_inputs(gen, m, n, k, ties, dtype)
                 layer = Linear(w, bias)
                 want = layer.fp32(x).argmax(dim=-1)
                 got = layer.argmax(x)

@@ -7,6 +7,7 @@ import torch
 
 from inference.models.layers import Linear
 from kernels import cpu_gemv
+from tests.kernels.products import head_inputs
 
 pytestmark = [pytest.mark.skipif(not cpu_gemv.available(),
                                  reason="the CPU GEMV kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -136,13 +137,7 @@ def test_argmax_of_one_or_two_rows_is_torchs_argmax_of_the_products(team: int) -
             for m in (1, 2):
                 for n, k, ties in ((1000, 64, True), (23 * block + 3, 96, True), (5 * block, 576, False),
                                    (77, 66, False), (49152 // 8, 40, False)):
-                    if ties:
-                        x = torch.randint(-2, 3, (m, k), generator=gen).to(dtype)
-                        w = torch.randint(-1, 2, (n, k), generator=gen).to(dtype)
-                    else:
-                        x = torch.randn(m, k, generator=gen).to(dtype)
-                        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
-                    bias = torch.randn(n, generator=gen).to(dtype) if not ties else None
+                    x, w, bias = head_inputs(gen, m, n, k, ties, dtype)
                     layer = Linear(w, bias)
                     want = cpu_gemv.gemv(x, layer.gemv_weight, bias).float().argmax(dim=-1)
                     assert torch.equal(want, layer.fp32(x).argmax(dim=-1))
