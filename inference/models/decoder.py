@@ -215,7 +215,8 @@ class DecoderLM:
         """This step on the one-call layers, or None where it needs the Python forward (adapters whose products
         are not on its kernels, prompt chunks off the C prompt kernels or observed for compression, more rows
         than the stack's products take). Decodes of sequences being compressed run here too: the attention
-        kernel fills `group.received_layers` with what their entries received, every layer's at once. keep: as `forward` takes it, for the last layer."""
+        kernel fills `group.received_layers` with what their entries received, every layer's at once.
+        keep: as `forward` takes it, for the last layer."""
         stack = self.decode_stack
         if (stack is None or len(batch.decode_groups) > 1 or (batch.prefills and not stack.prompts)
                 or (h.shape[0] > cpu_decode_layer.MAX_ROWS and not stack.many_rows)
