@@ -186,6 +186,8 @@ def gemv_argmax(x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None =
         failed = lib.hearth_gemv_argmax_bf16(x.data_ptr(), weight.packed.data_ptr(), b, out.data_ptr(), m,
                                              weight.out_features, k, threads,
                                              widened.data_ptr() if widened is not None else None)
+    if failed == -2:
+        raise ValueError(f"gemv_argmax: {m} rows, more than the kernel's scratch holds")
     if failed:
         raise MemoryError("gemv_argmax: no memory for the rows' running maxima")
     return out

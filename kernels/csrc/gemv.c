@@ -167,11 +167,11 @@ void hearth_gemv_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
  * first NaN; best.h), without storing it: a greedy decode's tokens from the LM head. Each thread folds the
  * outputs of the blocks it computed into its own bests while they are in L1; reading a stored y back on one
  * thread instead found half of it in the other core's cache (72 us for SmolLM2's 49,152 outputs of a row on a
- * Zen 4 VM, against 13 us with y local). m <= MAX_ARGMAX_ROWS. Returns 0, or -1 out of memory. */
+ * Zen 4 VM, against 13 us with y local). Returns 0, -1 out of memory, or -2 for more than MAX_ARGMAX_ROWS rows. */
 #define MAX_ARGMAX_ROWS 2
 #define PRODUCT_ARGMAX(KIND, X)                                                                                \
     do {                                                                                                       \
-        if (m > MAX_ARGMAX_ROWS) return -1;                                                                    \
+        if (m > MAX_ARGMAX_ROWS) return -2;                                                                    \
         const int64_t blocks = (n + BW - 1) / BW, team = threads > 0 ? threads : 1;                            \
         best *all = bests_open(team, m);                                                                       \
         if (!all) return -1;                                                                                   \
