@@ -24,7 +24,10 @@
 #define AMX_ROWS 16 /* rows of an x tile */
 #define AMX_K 32    /* k per tile multiply */
 #ifndef AMX_AHEAD
-#define AMX_AHEAD 8 /* steps of k (2 KB of weights each) fetched ahead */
+#define AMX_AHEAD 4 /* steps of k (2 KB of weights each) fetched into L1 ahead */
+#endif
+#ifndef AMX_FAR
+#define AMX_FAR 24 /* steps of k fetched into L2 ahead */
 #endif
 
 static int amx_permitted;
@@ -33,10 +36,16 @@ __attribute__((constructor)) static void amx_request(void) { amx_permitted = amx
 
 static inline int amx_takes(int64_t k) { return amx_permitted && k % AMX_K == 0; }
 
-/* The 32 lines of weights AMX_AHEAD steps on: a step's weight tiles wait on memory otherwise (the prefetchers do
- * not follow tile loads well). Past a block's end this reads the thread's next block, which follows it. */
+/* The 32 lines of weights AMX_FAR steps on into L2, and those AMX_AHEAD steps on from there into L1: a step's
+ * weight tiles wait on memory otherwise (the prefetchers do not follow tile loads well). Past a block's end this
+ * reads the thread's next block, which follows it. Why two distances: with L1's alone (8 steps), a 32-row decode
+ * product streamed its weights 20% slower than one of 16 rows or the GEMV of one, as if the tiles' multiplies
+ * and the memory took turns; far fetches into L2 keep more lines on their way than L1's fill buffers hold. On the
+ * AMX Xeon VM of docs/benchmarks.md, Qwen2.5-0.5B bf16 decode steps of 32 sequences took 52.6-54.6 ms against
+ * 56.6-57.7 ms (two alternating pairs of processes); 16 and 32 steps into L1 alone were no faster than 8. */
 static inline __attribute__((always_inline)) void amx_fetch(const char *w) {
 #if AMX_AHEAD > 0
+    _Pragma("GCC unroll 32") for (int l = 0; l < 32; l++) _mm_prefetch(w + AMX_FAR * 2048 + 64 * l, _MM_HINT_T1);
     _Pragma("GCC unroll 32") for (int l = 0; l < 32; l++) _mm_prefetch(w + AMX_AHEAD * 2048 + 64 * l, _MM_HINT_T0);
 #else
     (void)w;
