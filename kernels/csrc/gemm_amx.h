@@ -40,8 +40,9 @@ static inline int amx_takes(int64_t k) { return amx_permitted && k % AMX_K == 0;
  * weight tiles wait on memory otherwise (the prefetchers do not follow tile loads well). Past a block's end this
  * reads the thread's next block, which follows it. Why two distances: with L1's alone (8 steps), a 32-row decode
  * product streamed its weights 20% slower than one of 16 rows or the GEMV of one, as if the tiles' multiplies
- * and the memory took turns; far fetches into L2 keep more lines on their way than L1's fill buffers hold. On the
- * AMX Xeon VM of docs/benchmarks.md, Qwen2.5-0.5B bf16 decode steps of 32 sequences took 52.6-54.6 ms against
+ * and the memory took turns; fetches into L2 as well (likely: more lines on their way than L1's fill buffers
+ * hold; not measured apart) brought it close to the GEMV's rate (LM head, 32 rows: 10.1 ms against 9.6 ms). On
+ * the AMX Xeon VM of docs/benchmarks.md, Qwen2.5-0.5B bf16 decode steps of 32 sequences took 52.6-54.6 ms against
  * 56.6-57.7 ms (two alternating pairs of processes); 16 and 32 steps into L1 alone were no faster than 8. */
 static inline __attribute__((always_inline)) void amx_fetch(const char *w) {
 #if AMX_AHEAD > 0
