@@ -5,6 +5,9 @@ In order of preference:
    that replica is alive and under the load cap (consistent hashing with bounded loads: Mirrokni, Thorup and
    Zadimoghaddam, 2018). When a replica joins or leaves, only the sessions whose ring arc changed move. A
    session that had to spill stays where it spilled to: its history is cached there now, not at home.
+   A session's first turn is placed, not hashed blindly: nothing of it is cached yet, so it starts on the
+   replica with the fewest requests in flight (its ring home among equals, so routers agree at rest), unless a
+   replica holds more of its prompt than the rest (its history, placed there by another router).
 2. Otherwise, of the replicas under the cap, the one holding the longest cached prefix of the prompt (the
    engine's own prefix-cache hash chain).
 3. A request naming a LoRA adapter prefers a replica where that adapter is resident.
@@ -130,15 +133,14 @@ class Policy:
             return Decision([chosen] + [r.id for r in by_load if r.id != chosen], reason, matched)
 
         if hint.session:
-            loads = {r.id: r.load for r in usable}
-            for rid in self._session_order(hint.session, loads):
-                if loads[rid] < cap:
-                    self._place(hint.session, rid)
-                    return first(rid, "session")
+            rid = self._session_replica(hint, usable, cap, routed)
+            if rid is not None:
+                self._place(hint.session, rid)
+                return first(rid, "session")
         under_cap = [r for r in usable if r.load < cap]
         if hint.prompt and under_cap:
             best, matched = self.longest_prefix(hint, under_cap, routed)
-            if best is not None and matched >= self.min_prefix_blocks:
+            if best is not None:
                 return first(best.id, "prefix", matched)
         if hint.adapter:
             holders = [r for r in by_load if hint.adapter in r.adapters and r.load < cap]
@@ -146,15 +148,30 @@ class Policy:
                 return first(holders[0].id, "adapter")
         return first(by_load[0].id, "least_loaded")
 
-    def _session_order(self, session: str, loads: dict[str, int]) -> list[str]:
-        """The replica that served the session last (while it lives), then the ring's order for the session.
-        Without a spill the two agree; after one, following the cache beats going home to an empty one."""
-        order = self.ring(loads).walk(session)
-        last = self._placed.get(session)
-        if last is not None and last in loads and order[0] != last:
-            order.remove(last)
-            order.insert(0, last)
-        return order
+    def _session_replica(self, hint: RouteHint, usable: Sequence[ReplicaState], cap: int,
+                         routed: PrefixMemory | None) -> str | None:
+        """Where a session's request goes, or None when every replica is at the cap.
+
+        A session placed before goes to the replica that served it last while that one lives and is under the
+        cap, else along the ring (without a spill the two agree; after one, following the cache beats going home
+        to an empty one). A session this router has not placed (a first turn, or one whose replica died, or one
+        another router placed) has no cache of its own to follow: it goes where most of its prompt is cached,
+        then to the replica with the fewest requests in flight, then by the ring. On a first turn every replica
+        matches nothing or the same shared prefix, so load decides: the ring alone put a cold turn behind
+        another cold turn on one replica while the other idled (docs/benchmarks.md, the fleet). With equal loads
+        the ring decides, so routers that see the same loads agree."""
+        loads = {r.id: r.load for r in usable}
+        ring = self.ring(loads).walk(hint.session)
+        last = self._placed.get(hint.session)
+        if last is not None and last in loads:
+            order = [last] + [rid for rid in ring if rid != last]
+            return next((rid for rid in order if loads[rid] < cap), None)
+        open_ = [r for r in usable if r.load < cap]
+        if not open_:
+            return None
+        matched = self.matched_blocks(hint, open_, routed)
+        place = {rid: i for i, rid in enumerate(ring)}
+        return min(open_, key=lambda r: (-matched[r.id], r.load, place[r.id])).id
 
     def _place(self, session: str, replica_id: str) -> None:
         self._placed[session] = replica_id
@@ -171,17 +188,15 @@ class Policy:
         for session in [s for s, rid in self._placed.items() if rid == replica_id]:
             del self._placed[session]
 
-    def longest_prefix(self, hint: RouteHint, replicas: Sequence[ReplicaState],
-                       routed: PrefixMemory | None) -> tuple[ReplicaState | None, int]:
-        """The replica holding the most leading blocks of the prompt, by its published summary or by where this
-        router sent the same prefix before; ties go to the less loaded."""
-        block_size = replicas[0].block_size
+    def matched_blocks(self, hint: RouteHint, replicas: Sequence[ReplicaState],
+                       routed: PrefixMemory | None) -> dict[str, int]:
+        """Per replica, how many leading blocks of the prompt it holds, by its published summary or by where
+        this router sent the same prefix before; runs shorter than min_prefix_blocks count as none."""
+        matched = dict.fromkeys((r.id for r in replicas), 0)
+        if not hint.prompt or not replicas:
+            return matched
         # As the engine does, the prompt's last token is never served from the cache.
-        keys = [short_key(k) for k in prefix_chain(hint.prompt[:-1], block_size, hint.extra_keys)]
-        if not keys:
-            return None, 0
-        best: ReplicaState | None = None
-        best_len = 0
+        keys = [short_key(k) for k in prefix_chain(hint.prompt[:-1], replicas[0].block_size, hint.extra_keys)]
         for r in replicas:
             n = 0
             for key in keys:
@@ -189,9 +204,18 @@ class Policy:
                     n += 1
                 else:
                     break
-            if n > best_len or (n == best_len and n and best is not None and r.pressure < best.pressure):
-                best, best_len = r, n
-        return best, best_len
+            matched[r.id] = n if n >= self.min_prefix_blocks else 0
+        return matched
+
+    def longest_prefix(self, hint: RouteHint, replicas: Sequence[ReplicaState],
+                       routed: PrefixMemory | None) -> tuple[ReplicaState | None, int]:
+        """The replica holding the most leading blocks of the prompt (see matched_blocks); ties go to the less
+        loaded. None where no replica holds min_prefix_blocks of it."""
+        matched = self.matched_blocks(hint, replicas, routed)
+        best = min(replicas, key=lambda r: (-matched[r.id], r.pressure), default=None)
+        if best is None or matched[best.id] == 0:
+            return None, 0
+        return best, matched[best.id]
 
 
 class PrefixMemory:

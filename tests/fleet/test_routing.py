@@ -92,6 +92,40 @@ def test_a_spilled_session_stays_where_its_history_is_cached_until_that_replica_
     assert bounded.remembered_sessions == 4
 
 
+def test_a_first_turn_starts_on_the_replica_with_the_fewest_requests_in_flight() -> None:
+    for session in sessions(20):
+        home = HashRing(["r0", "r1", "r2"]).walk(session)[0]
+        quiet, other = sorted({"r0", "r1", "r2"} - {home})
+        busy = {home: 2, quiet: 0, other: 1}
+        policy = Policy()
+        decision = policy.decide(RouteHint(session=session), replicas(busy["r0"], busy["r1"], busy["r2"]))
+        assert (decision.ranking[0], decision.reason) == (quiet, "session")
+        # Placed: its later turns stay there (its history is cached there), however the loads move.
+        busy = {rid: 0 for rid in busy}
+        busy[quiet] = 3
+        assert policy.decide(RouteHint(session=session), replicas(busy["r0"], busy["r1"], busy["r2"])).ranking[
+            0] == quiet
+        # Equal loads: the ring decides, so routers that see the same loads agree.
+        assert Policy().decide(RouteHint(session=session), replicas(1, 1, 1)).ranking[0] == home
+
+
+def test_a_session_another_router_placed_is_found_by_its_cached_history() -> None:
+    rng = random.Random(2)
+    for session in sessions(10):
+        turn1 = [rng.randrange(1000) for _ in range(6 * BS + 5)]
+        turn2 = turn1 + [rng.randrange(1000) for _ in range(20)]
+        home = HashRing(["r0", "r1"]).walk(session)[0]
+        away = "r1" if home == "r0" else "r0"
+        # Router A placed the first turn away from home (home was busy); router B sees only the published keys.
+        held = {short_key(k) for k in prefix_chain(turn1[:-1], BS)}
+        state = replicas(0, 0, **{away: {"prefix": frozenset(held)}})
+        decision = Policy().decide(RouteHint(session=session, prompt=turn2), state)
+        assert (decision.ranking[0], decision.reason) == (away, "session")
+        # A prefix every replica holds (a shared system prompt) is no reason to pick one: load, then the ring.
+        shared = replicas(0, 0, r0={"prefix": frozenset(held)}, r1={"prefix": frozenset(held)})
+        assert Policy().decide(RouteHint(session=session, prompt=turn2), shared).ranking[0] == home
+
+
 def test_the_longest_cached_prefix_wins_unless_that_replica_is_overloaded() -> None:
     rng = random.Random(0)
     system = [rng.randrange(1000) for _ in range(10 * BS)]
