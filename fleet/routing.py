@@ -156,10 +156,10 @@ class Policy:
         cap, else along the ring (without a spill the two agree; after one, following the cache beats going home
         to an empty one). A session this router has not placed (a first turn, or one whose replica died, or one
         another router placed) has no cache of its own to follow: it goes where most of its prompt is cached,
-        then to the replica with the fewest requests in flight, then by the ring. On a first turn every replica
-        matches nothing or the same shared prefix, so load decides: the ring alone put a cold turn behind
-        another cold turn on one replica while the other idled (docs/benchmarks.md, the fleet). With equal loads
-        the ring decides, so routers that see the same loads agree."""
+        then to the replica with the fewest requests in flight, then by the ring. A first turn usually matches
+        nothing anywhere, so load decides: the ring alone placed cold turns by hash whatever the loads, and in
+        the fleet benchmark their TTFT was the least-loaded placement's plus ~5% (docs/benchmarks.md, the
+        fleet). With equal loads the ring decides, so routers that see the same loads agree."""
         loads = {r.id: r.load for r in usable}
         ring = self.ring(loads).walk(hint.session)
         last = self._placed.get(hint.session)
