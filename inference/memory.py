@@ -39,3 +39,29 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     raw = torch.frombuffer(region, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start: start + nbytes].view(dtype).view(shape)
+
+
+class Arena:
+    """Zeroed buffers carved one after another from one region (on huge pages where `zeros` puts it), in the
+    order they are asked for: weights that are read in turn then lie in turn in memory, so the kernels' fetches
+    ahead, which run past the end of one matrix, bring in the next one (a LoRA adapter's many small matrices:
+    inference/lora/slots.py). A request past the end gets a buffer of its own."""
+
+    ALIGN = 64  # a cache line: each buffer starts on one, as torch's own allocations do
+
+    def __init__(self, nbytes: int) -> None:
+        self._raw = zeros((max(1, nbytes),), torch.uint8)
+        self._at = 0
+
+    @staticmethod
+    def size(nbytes: int) -> int:
+        """The room a buffer of nbytes takes in an arena."""
+        return -(-nbytes // Arena.ALIGN) * Arena.ALIGN
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self._at + nbytes > self._raw.numel():
+            return torch.zeros(shape, dtype=dtype)
+        view = self._raw[self._at: self._at + nbytes]
+        self._at += self.size(nbytes)
+        return view.view(dtype).view(shape)

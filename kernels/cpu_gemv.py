@@ -139,6 +139,14 @@ def pack_blocks(w: torch.Tensor, block: int, pairs: bool = False, zeros: Zeros =
     return out
 
 
+def packed_nbytes(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """The bytes `pack` asks `zeros` for, for a weight [out_features, in_features] of dtype."""
+    lib = _library()
+    assert lib is not None
+    block = int(lib.hearth_gemv_block_width())
+    return -(-out_features // block) * block * in_features * torch.empty((), dtype=dtype).element_size()
+
+
 def pack(weight: torch.Tensor, zeros: Zeros = plain_zeros) -> GemvWeight:
     """`weight` [n, k], which `supports` accepted, in this build's layout, in a buffer from `zeros`."""
     lib = _library()

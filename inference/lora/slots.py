@@ -18,12 +18,14 @@ from __future__ import annotations
 import functools
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from inference import memory
 from inference.config import default_dtype
 from inference.errors import InvalidRequestError
 from inference.lora.format import (
@@ -36,7 +38,7 @@ from inference.lora.format import (
     load_pairs,
 )
 from inference.models.layers import Linear
-from kernels import cpu_decode_layer
+from kernels import cpu_decode_layer, cpu_gemv
 from kernels import lora as lora_ref
 
 
@@ -186,16 +188,22 @@ class LoRASlots:
             self.table.clear(index)
         rank = host.spec.rank
         targets: dict[tuple[int, str], tuple[int, ...]] = {}
-        for key, subs in host.weights.items():
+        # In the order a step runs them: layer by layer, a layer's projections in decode_layer.c's order.
+        keys = sorted(host.weights, key=lambda key: (key[0], cpu_decode_layer.PROJECTIONS.index(key[1])))
+        packs = {key: lora_ref.pack(host.weights[key], self.bounds[key[1]], host.spec.scaling, self.packed_dtype)
+                 for key in keys} if not self.stacked else {}
+        zeros = self._arena(packs.values())
+        for key in keys:
+            subs = host.weights[key]
             bounds = self.bounds[key[1]]
             targets[key] = tuple(sorted(sub for sub, _, _ in subs))
             if not self.stacked:
                 packed = self.packed.setdefault(key, [None] * self.max_loras)
                 # On the CPU layers the base runs on (kernels/lora.py says why), in packed_dtype.
-                weights = lora_ref.pack(subs, bounds, host.spec.scaling, self.packed_dtype)
+                weights = packs[key]
                 if self.device.type == "cpu":
-                    shrink = Linear(weights.a)
-                    expands = [(column, Linear(b)) for column, b in weights.parts]
+                    shrink = Linear(weights.a, zeros=zeros)
+                    expands = [(column, Linear(b, zeros=zeros)) for column, b in weights.parts]
                     packed[index] = (shrink, expands)
                     if self.table is not None:
                         self.table.set(index, key[0], key[1], (*shrink.kernel_weight(), shrink.gemm),
@@ -212,6 +220,19 @@ class LoRASlots:
         self._scale[index] = host.spec.scaling
         self.stats.slot_loads += 1
         self.stats.slot_seconds += time.perf_counter() - start
+
+    def _arena(self, packs: Iterable[lora_ref.Packed]) -> cpu_gemv.Zeros:
+        """Where a slot's packed products go on CPU: one region for the whole adapter, its matrices one after
+        another in the order a step reads them (`_load` packs them in that order). A decode step reads every
+        adapter present, thousands of matrices of a few KB to a few hundred KB each; apart, each begins a
+        stream of its own on 4 KiB pages (they are smaller than a huge page), and the kernels' fetches ahead run
+        past its end into unrelated memory. Together, on huge pages, those fetches bring in the next matrix
+        while the last one's products run (docs/benchmarks.md, the LoRA notes)."""
+        if self.device.type != "cpu" or not cpu_gemv.supports(torch.empty(0, 2, dtype=self.packed_dtype)):
+            return memory.zeros
+        nbytes = sum(memory.Arena.size(cpu_gemv.packed_nbytes(*w.shape, w.dtype))
+                     for packed in packs for w in (packed.a, *(b for _, b in packed.parts)))
+        return memory.Arena(nbytes).zeros
 
     def _stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self.a:

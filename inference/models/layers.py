@@ -53,7 +53,8 @@ class Linear:
     memory; HEARTH_CPU_GEMV=off keeps only oneDNN's.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 zeros: cpu_gemv.Zeros = memory.zeros) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
         self.nbytes = weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
@@ -61,8 +62,9 @@ class Linear:
         gemv = cpu_gemv.supports(weight) and (bias is None or bias.dtype == weight.dtype)
         self.gemv_weight: cpu_gemv.GemvWeight | None = None
         if gemv:
-            # The blocks gemv streams every decode step live on huge pages (inference/memory.py).
-            self.gemv_weight = cpu_gemv.pack(weight, memory.zeros)
+            # The blocks gemv streams every decode step live on huge pages (inference/memory.py), or where
+            # `zeros` puts them (a LoRA slot's arena).
+            self.gemv_weight = cpu_gemv.pack(weight, zeros)
         # Products of more rows on those blocks too where kernels/cpu_gemv's gemm takes them (it keeps level with
         # or ahead of oneDNN); then every product runs on them, and oneDNN's copy would only cost the weights'
         # size again.

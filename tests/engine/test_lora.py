@@ -4,6 +4,7 @@ prefix-cache isolation, speculation, KV compression and preemption with adapters
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -278,3 +279,30 @@ def test_smollm2_adapter_matches_peft(tmp_path: Path) -> None:
         assert ours.argmax(-1).tolist() == expected.argmax(-1).tolist()
         tokens = llm.generate_ids([ids], GREEDY, adapter)[0].token_ids
         assert tokens == _peft_greedy(base, adapter, ids, GREEDY.max_tokens)
+
+
+def test_an_adapters_cpu_products_lie_in_one_region_in_the_order_a_step_reads_them(
+        tiny_adapters: list[LoRARequest], tiny_llm: LLM) -> None:
+    """Each slot's packed matrices, one after another in the step's order (layer by layer; q|k|v, o, gate|up,
+    down; each projection's shrink, then its expands), so that the kernels' fetches ahead bring in the next."""
+    from inference import memory
+    from kernels import cpu_decode_layer, cpu_gemv
+
+    slots = tiny_llm.engine.lora
+    assert slots is not None
+    if not cpu_gemv.supports(torch.empty(0, 2, dtype=slots.packed_dtype)):
+        pytest.skip("the adapters' products are not on the CPU kernels here")
+    ids = tiny_llm.encode(PROMPTS[0], raw=True)
+    for adapter in tiny_adapters[:2]:
+        tiny_llm.generate_ids([ids], SamplingParams(max_tokens=2), adapter)
+    for adapter in tiny_adapters[:2]:
+        index = next(i for i, slot in enumerate(slots.slots) if slot.name == adapter.name)
+        keys = sorted((key for key, products in slots.packed.items() if products[index] is not None),
+                      key=lambda key: (key[0], cpu_decode_layer.PROJECTIONS.index(key[1])))
+        assert keys, adapter.name
+        buffers = []
+        for key in keys:
+            shrink, expands = slots.packed[key][index]
+            buffers += [shrink.gemv_weight.packed, *(e.gemv_weight.packed for _, e in expands)]
+        for before, after in itertools.pairwise(buffers):
+            assert after.data_ptr() == before.data_ptr() + memory.Arena.size(before.nbytes), adapter.name

@@ -4,6 +4,7 @@ nothing; and the layers that use them compute what they did."""
 from __future__ import annotations
 
 import gc
+import itertools
 
 import pytest
 import torch
@@ -47,3 +48,27 @@ def test_weights_packed_onto_huge_pages_hold_their_source_and_layers_on_them_com
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
     pool = KVPool(layout, 1024, torch.device("cpu"))
     assert pool.k.shape == (1024, 16, 64) and int(pool.k.count_nonzero()) == 0 and int(pool.pos.count_nonzero()) == 0
+
+
+def test_an_arena_lays_buffers_one_after_another_zeroed_and_aligned_and_gives_one_of_its_own_past_its_end() -> None:
+    sizes = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2, 2, 2), torch.float32), ((1,), torch.int64)]
+    room = sum(memory.Arena.size(torch.empty(shape, dtype=dtype).nbytes) for shape, dtype in sizes)
+    arena = memory.Arena(room)
+    made = [arena.zeros(shape, dtype) for shape, dtype in sizes]
+    for (shape, dtype), t in zip(sizes, made, strict=True):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and int(t.count_nonzero()) == 0
+        assert t.data_ptr() % memory.Arena.ALIGN == 0
+    for before, after in itertools.pairwise(made):  # in the order asked for, each right after the last
+        assert after.data_ptr() == before.data_ptr() + memory.Arena.size(before.nbytes)
+    made[0].fill_(1.0)
+    assert all(int(t.count_nonzero()) == 0 for t in made[1:])  # none overlaps another
+    extra = arena.zeros((4,), torch.float32)  # no room left: a buffer of its own, still zeroed
+    assert int(extra.count_nonzero()) == 0
+    assert not made[0].data_ptr() <= extra.data_ptr() < made[-1].data_ptr() + made[-1].nbytes
+    big = memory.Arena(3 << 20)  # large: on huge pages like memory.zeros, and alive while a view is
+    view = big.zeros((4,), torch.float32)
+    assert view.data_ptr() % memory.HUGE_PAGE == 0
+    del big
+    gc.collect()
+    view.copy_(torch.arange(4.0))
+    assert view.tolist() == [0.0, 1.0, 2.0, 3.0]
