@@ -52,7 +52,7 @@ class _Model(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("elem", "hidden", "hq", "hkv", "head_dim", "inter")]
                 + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")]
                 + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)]
-                + [(name, _c) for name in ("causal", "prefill")])
+                + [(name, _c) for name in ("causal", "prefill", "lora_gemm")])
 
 
 class _Prompt(ctypes.Structure):
@@ -97,8 +97,9 @@ class AdapterTable:
         self.widest = 0  # the most columns of any adapter's rank vectors (k * r)
         self.rank = 0  # the highest rank of any adapter
         self.widest_in = self.widest_out = 0  # the widest input and output of any adapted projection
-        # What hearth_lora_add reads of a model: the activations' size and the GEMV's most rows (threads per call).
-        self.model = _Model(elem=torch.finfo(dtype).bits // 8, gemv_rows=MAX_ROWS)
+        # What hearth_lora_add and hearth_lora_product read of a model: the activations' size, the GEMV's most rows
+        # (threads per call) and the product the adapters ride inside.
+        self.model = _Model(elem=torch.finfo(dtype).bits // 8, gemv_rows=MAX_ROWS, lora_gemm=lora_gemm(dtype))
 
     def _index(self, slot: int, layer: int, projection: str) -> int:
         return (slot * self.layers + layer) * len(PROJECTIONS) + PROJECTIONS.index(projection)
@@ -169,6 +170,7 @@ class LoraRows:
         self.struct, self._held = table.scratch(adapters.order, adapters.spans, table.widest_in, table.widest_out,
                                                 widened_row)
         self._add = _library().hearth_lora_add
+        self._product = _library().hearth_lora_product
 
     def takes(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Whether `add` reads x and writes y as they are (contiguous rows of the step in the table's dtype)."""
@@ -182,6 +184,21 @@ class LoraRows:
         self._add(ctypes.byref(self.table.model), ctypes.byref(self.struct), self.widened.data_ptr(), layer,
                   PROJECTIONS.index(projection), x.data_ptr(), x.shape[1], y.data_ptr(), y.shape[1])
 
+    def product(self, layer: int, projection: str, x: torch.Tensor, weight: Matrix, silu: bool = False
+                ) -> torch.Tensor | None:
+        """x W^T with each adapted row's expands summed inside the product (decode_layer.c's hearth_lora_product;
+        with silu, silu(gate) * up of a fused gate|up weight), or None where they cannot ride in it (then the
+        caller runs the product and `add`s). x: the step's rows, as `takes` reads them; weight from `matrix`."""
+        if not self.table.model.lora_gemm or x.dim() != 2 or x.dtype != self.table.dtype or not x.is_contiguous() \
+                or x.shape[1] != weight.k or x.shape[1] > self.table.widest_in:
+            return None
+        self.table.model.threads = torch.get_num_threads()
+        y = torch.empty(x.shape[0], weight.n // 2 if silu else weight.n, dtype=x.dtype)
+        done = self._product(ctypes.byref(self.table.model), ctypes.byref(self.struct), self.widened.data_ptr(),
+                             layer, PROJECTIONS.index(projection), ctypes.byref(weight), x.data_ptr(), y.data_ptr(),
+                             x.shape[0], int(silu))
+        return y if done else None
+
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
@@ -191,6 +208,8 @@ def _library() -> ctypes.CDLL | None:
         lib.hearth_decode_layer.restype = None
         lib.hearth_lora_add.argtypes = [_c, _c, _c, *[ctypes.c_int64] * 2, _c, ctypes.c_int64, _c, ctypes.c_int64]
         lib.hearth_lora_add.restype = None
+        lib.hearth_lora_product.argtypes = [_c, _c, _c, *[ctypes.c_int64] * 2, _c, _c, _c, *[ctypes.c_int64] * 2]
+        lib.hearth_lora_product.restype = ctypes.c_int64
     return lib
 
 
@@ -241,6 +260,17 @@ def matrix(weight: cpu_gemv.GemvWeight | cpu_int8.Int8Weight | None, bias: torch
         fn, kind = lib.hearth_gemv_i8_bf16, I8_BF16
     # The int8 kernels take any number of rows: the same entry point either way.
     return Matrix(_address(fn), kind, *args, _address(fn)) if fn is not None else None
+
+
+def lora_gemm(dtype: torch.dtype) -> int | None:
+    """The address of gemm.c's product with adapters' expands inside (hearth_gemm_bf16_lora), where bf16 products of
+    many rows run on AMX tiles; None elsewhere (and with HEARTH_LORA_FUSED=off), where adapters are added after each
+    product (hearth_lora_add)."""
+    lib = cpu_gemv._gemm_library()
+    if dtype != torch.bfloat16 or lib is None or not cpu_gemv.gemm_amx() \
+            or os.environ.get("HEARTH_LORA_FUSED", "auto") == "off":
+        return None
+    return _address(lib.hearth_gemm_bf16_lora)
 
 
 def silu_entry(weight: cpu_gemv.GemvWeight) -> int | None:
@@ -312,7 +342,7 @@ class DecodeStack:
             2 if bf16 else 4, hidden, num_heads, num_kv_heads, head_dim, intermediate,
             eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads(), MAX_ROWS,
             _address(causal.hearth_causal_attention) if causal is not None else None,
-            _address(causal.hearth_prefill_attention) if causal is not None else None)
+            _address(causal.hearth_prefill_attention) if causal is not None else None, lora_gemm(dtype))
         self.prompts = causal is not None  # whether steps with prompt chunks run here
         self._tile = causal.hearth_causal_attention_tile() if causal is not None else 0
         self.specs = layers  # the tensors the layer structs point into

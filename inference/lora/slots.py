@@ -37,8 +37,8 @@ from inference.lora.format import (
     inspect_adapter_dir,
     load_pairs,
 )
-from inference.models.layers import Linear
-from kernels import cpu_decode_layer, cpu_gemv
+from inference.models.layers import Linear, LinearLayer
+from kernels import cpu_decode_layer, cpu_fused, cpu_gemv
 from kernels import lora as lora_ref
 
 
@@ -107,6 +107,7 @@ class LoRASlots:
         self._hosts: OrderedDict[str, HostAdapter] = OrderedDict()
         self._idle: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU order
         self.stats = LoRAStats()
+        self._matrices: dict[int, tuple[Linear, cpu_decode_layer.Matrix]] = {}  # id(layer) -> (layer, its product)
         self._scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         # The packed adapters' products run in fp32, where they are small and a CPU without native bf16 runs
         # bf16 ones several times slower; in bf16 where the model is bf16 on a CPU that multiplies it natively,
@@ -245,6 +246,15 @@ class LoRASlots:
             self.b[key] = torch.zeros(self.max_loras, out, self.max_rank, dtype=self.dtype, device=self.device)
         return self.a[key], self.b[key]
 
+    def matrix(self, linear: Linear) -> cpu_decode_layer.Matrix:
+        """A base layer's product as the C kernels take it (made once per layer; the layer is kept with it)."""
+        made = self._matrices.get(id(linear))
+        if made is None:
+            weight, bias = linear.kernel_weight()
+            matrix = cpu_decode_layer.matrix(weight, bias, self.dtype, linear.gemm) or cpu_decode_layer.Matrix()
+            made = self._matrices[id(linear)] = (linear, matrix)
+        return made[1]
+
     @property
     def resident(self) -> list[str]:
         return [slot.name for slot in self.slots if slot.name is not None]
@@ -306,6 +316,20 @@ class LoRABatch:
     def touches(self, layer: int, fused: str) -> bool:
         """Whether any adapter of this step changes that projection of that layer."""
         return any((layer, fused) in self.slots.slots[s].targets for s in self.present)
+
+    def product(self, layer: int, fused: str, x: torch.Tensor, linear: LinearLayer, silu: bool = False
+                ) -> torch.Tensor:
+        """linear(x) with each row's adapter added (with silu, silu(gate) * up of an adapted gate|up, which the
+        caller runs apart otherwise): inside the product where the CPU kernels can carry the adapters there
+        (cpu_decode_layer.LoraRows.product), else the product, then `apply`."""
+        if self.touches(layer, fused) and isinstance(linear, Linear) and linear.gemm:
+            rows = self.cpu_rows
+            if rows is not None:
+                y = rows.product(layer, fused, x, self.slots.matrix(linear), silu)
+                if y is not None:
+                    return y
+        y = self.apply(layer, fused, x, linear(x))
+        return cpu_fused.silu_mul(y) if silu else y
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         key = (layer, fused)

@@ -323,17 +323,16 @@ class DecoderLM:
             if (self.gate_up_silu and x.shape[0] > cpu_gemv.MAX_ROWS
                     and (lora is None or not lora.touches(index, "gate_up"))):
                 x = cpu_gemv.gemm_silu(x, *layer.gate_up.kernel_weight())
+            elif self.gate_up_silu and lora is not None:  # silu(gate) * up, the adapters inside where they can be
+                x = lora.product(index, "gate_up", x, layer.gate_up, silu=True)
             else:
-                gate_up = layer.gate_up(x)
-                if lora is not None:
-                    lora.apply(index, "gate_up", x, gate_up)
+                gate_up = lora.product(index, "gate_up", x, layer.gate_up) if lora is not None else layer.gate_up(x)
                 if self.silu_mul:
                     x = cpu_fused.silu_mul(gate_up)
                 else:
                     gate, up = gate_up.chunk(2, dim=-1)
                     x = self.act(gate) * up
-            down = layer.down(x)
-            x = lora.apply(index, "down", x, down) if lora is not None else down
+            x = lora.product(index, "down", x, layer.down) if lora is not None else layer.down(x)
             if layer.post_ffn_norm is not None:
                 x = self._norm(x, layer.post_ffn_norm)
             residual = x
@@ -392,9 +391,7 @@ class DecoderLM:
         """The attention sublayer's output for every row, or for the rows `keep` lists (every row's keys and
         values are written either way)."""
         tokens = x.shape[0]
-        qkv = layer.qkv(x)
-        if batch.lora is not None:
-            batch.lora.apply(index, "qkv", x, qkv)
+        qkv = batch.lora.product(index, "qkv", x, layer.qkv) if batch.lora is not None else layer.qkv(x)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -467,6 +464,5 @@ class DecoderLM:
             out = out.index_select(0, keep)
             if not keep.numel():
                 return out.new_empty(0, self.hidden_size)
-        o = layer.o(out)
         lora = batch.lora if keep is None or batch.lora is None else batch.lora.kept(keep)
-        return lora.apply(index, "o", out, o) if lora is not None else o
+        return lora.product(index, "o", out, layer.o) if lora is not None else layer.o(out)

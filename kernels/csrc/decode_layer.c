@@ -18,8 +18,10 @@
  * threads holding it meanwhile slowed those steps most (docs/benchmarks.md, "Batches").
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "lora_side.h"
 #include "simd.h"
 
 /* How a matrix's product is computed: which entry point, and so which arguments it takes. */
@@ -44,6 +46,8 @@ typedef void (*attention_fn)(const void *q, const void *k_cache, const void *v_c
                              int64_t batch, int64_t hq, int64_t hkv, int64_t head_dim, int64_t block_size,
                              int64_t width, float scale, int64_t window, float softcap, int64_t threads,
                              float *received);
+typedef int64_t (*lora_gemm_fn)(const void *x, const void *packed, const void *b, void *y, int64_t m, int64_t n,
+                                int64_t k, int64_t threads, int64_t silu, const lora_side *lora);
 typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t threads);
 typedef void (*causal_fn)(const void *q, const void *k, const void *v, void *out, int64_t sq, int64_t sk, int64_t sv,
                           int64_t T, int64_t hq, int64_t hkv, int64_t D, float scale, int64_t bf16, float *scratch,
@@ -108,6 +112,7 @@ typedef struct {
     int64_t norm_offset, threads;
     int64_t gemv_rows; /* the most rows `fn` takes; a step of more runs each product's `many` */
     void *causal, *prefill; /* a prompt chunk's attention (causal_attention.c): fresh, and after cached keys */
+    void *lora_gemm; /* gemm.c's hearth_gemm_bf16_lora where bf16 products of many rows run on AMX tiles, or NULL */
 } Model;
 
 /* A prompt chunk of a step (rows after the decodes): its queries attend to its own keys (context < 0: nothing
@@ -201,16 +206,25 @@ static void add_rows(void *y, int64_t out, const int64_t *rows, int64_t m, const
     }
 }
 
+/* The rank vectors of a span's rows (its adapter's shrink) into A->mid at the span's rows, from their rows of x
+ * gathered into A->xs first. */
+static void shrink_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
+                        const void *x, int64_t in, int64_t threads) {
+    const int64_t e = M->elem, *rows = A->order + start;
+    char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * A->mid_row * e;
+    for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
+    product_rows(M, &ad->shrink, xs, mid, m, threads, widened_rows + start * A->widened_row);
+}
+
 /* One span's part of hearth_lora_add: rows order[start, start + m) of one adapter, its scratch rows at `start`
  * (each scratch buffer's rows have one width for every adapter, so spans run at once never share a byte). */
 static void add_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
                      const void *x, int64_t in, void *y, int64_t out, int64_t threads) {
     const int64_t e = M->elem, *rows = A->order + start, kr = ad->shrink.n, rank = kr / ad->parts;
-    char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * A->mid_row * e;
+    char *mid = (char *)A->mid + start * A->mid_row * e;
     char *delta = (char *)A->delta + start * out * e, *piece = (char *)A->pieces + start * A->rank * e;
     float *widened = widened_rows + start * A->widened_row;
-    for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
-    product_rows(M, &ad->shrink, xs, mid, m, threads, widened);
+    shrink_span(M, A, widened_rows, ad, start, m, x, in, threads);
     for (int64_t p = 0; p < ad->parts; p++) {
         const Matrix *B = &ad->expand[p];
         const char *vectors = mid;
@@ -250,9 +264,122 @@ void hearth_lora_add(const Model *M, const Lora *A, float *widened, int64_t laye
     }
 }
 
+/* Buffer `which` (0-2) of the calling thread's scratch for hearth_lora_product, at least `bytes` long (NULL out
+ * of memory): kept from call to call and grown as needed, never given back (the largest a thread has needed: a
+ * prompt step's tiles, a few hundred KB). Allocated afresh for each of a step's 120 products, buffers that large
+ * are mapped anew by glibc's default allocator and come as new pages the kernel must zero. */
+static void *scratch(int which, int64_t bytes) {
+    static __thread void *held[3];
+    static __thread int64_t size[3];
+    if (bytes > size[which]) {
+        void *grown = realloc(held[which], (size_t)bytes);
+        if (!grown) return NULL;
+        held[which] = grown, size[which] = bytes;
+    }
+    return held[which];
+}
+
+/* Whether the step's adapters of this projection can ride inside its base product W (lora_side.h): a bf16
+ * product of more rows than the GEMV takes, on gemm.c (whose AMX path takes k % 32 == 0), and every adapter
+ * present that changes the projection of a rank and sub-module columns in whole tiles and blocks of 32. */
+static int lora_fusable(const Model *M, const Lora *A, int64_t layer, int64_t projection, const Matrix *W,
+                        int64_t m) {
+    if (!M->lora_gemm || !A || W->kind != GEMV_BF16 || !W->many || m <= M->gemv_rows || W->k % 32 || A->rank % 32)
+        return 0;
+    for (int64_t s = 0; s < A->n_spans; s++) {
+        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+        if (!ad->shrink.fn) continue;
+        if ((ad->shrink.n / ad->parts) % 32) return 0;
+        for (int64_t p = 0; p < ad->parts; p++)
+            if (ad->column[p] % 32 || ad->expand[p].kind != GEMV_BF16) return 0;
+    }
+    return 1;
+}
+
+/* y = x W^T (silu 0, y [m, n]) or silu(gate) * up of it (silu 1, y [m, n / 2]), with every adapted row's expands
+ * summed inside the product (lora_side.h): the shrinks first (per span, as hearth_lora_add), then each 16-row
+ * group's (group, adapter) entries with their rank-vector tiles, then gemm.c's product. 1 when done; 0 where it
+ * cannot (lora_fusable, or out of memory) and nothing was written: the caller runs the product and adds apart. */
+int64_t hearth_lora_product(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection,
+                            const Matrix *W, const void *x, void *y, int64_t m, int64_t silu) {
+    if (!lora_fusable(M, A, layer, projection, W, m)) return 0;
+    const int64_t e = M->elem, groups = (m + 15) / 16, R = A->rank, n = A->n_spans;
+    const int64_t threads = M->threads > 0 ? M->threads : 1;
+    int64_t *first = scratch(0, (2 * groups + 1) * sizeof *first), *cursor = first + groups + 1, entries = 0;
+    if (!first) return 0;
+    memset(first, 0, (groups + 1) * sizeof *first);
+    for (int64_t s = 0; s < n; s++) { /* count: each span's rows ascend, so its groups come in order */
+        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+        int64_t last = -1;
+        for (int64_t i = A->spans[3 * s + 1]; ad->shrink.fn && i < A->spans[3 * s + 2]; i++) {
+            const int64_t g = A->order[i] / 16;
+            if (g != last) first[g + 1]++, entries++, last = g;
+        }
+    }
+    lora_entry *table = scratch(1, (entries ? entries : 1) * sizeof *table);
+    uint16_t *tiles = scratch(2, (entries ? entries : 1) * LORA_PARTS * 16 * R * sizeof *tiles);
+    if (!table || !tiles) return 0;
+    for (int64_t g = 0; g < groups; g++) first[g + 1] += first[g], cursor[g] = first[g];
+    if (n >= threads && threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t s = 0; s < n; s++) {
+            const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+            const int64_t start = A->spans[3 * s + 1], rows = A->spans[3 * s + 2] - start;
+            if (ad->shrink.fn && rows > 0) shrink_span(M, A, widened, ad, start, rows, x, W->k, 1);
+        }
+    } else {
+        for (int64_t s = 0; s < n; s++) {
+            const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+            const int64_t start = A->spans[3 * s + 1], rows = A->spans[3 * s + 2] - start;
+            if (ad->shrink.fn && rows > 0) shrink_span(M, A, widened, ad, start, rows, x, W->k, threads);
+        }
+    }
+    for (int64_t s = 0; s < n; s++) { /* each row's rank vectors into its group's entry for its adapter */
+        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+        if (!ad->shrink.fn) continue;
+        const int64_t rank = ad->shrink.n / ad->parts;
+        lora_entry *E = NULL;
+        int64_t last = -1, at = 0;
+        for (int64_t i = A->spans[3 * s + 1]; i < A->spans[3 * s + 2]; i++) {
+            const int64_t row = A->order[i], g = row / 16;
+            if (g != last) {
+                at = cursor[g]++, last = g;
+                E = &table[at];
+                memset(E, 0, sizeof *E);
+                E->parts = ad->parts, E->rank = rank;
+                memset(tiles + at * LORA_PARTS * 16 * R, 0, (size_t)(ad->parts * 16 * R) * sizeof *tiles);
+                for (int64_t p = 0; p < ad->parts; p++) {
+                    E->v[p] = tiles + (at * LORA_PARTS + p) * 16 * R;
+                    E->b[p] = ad->expand[p].packed, E->column[p] = ad->column[p], E->n[p] = ad->expand[p].n;
+                }
+            }
+            /* the span's rank vectors lie from its scratch rows on, kr = shrink.n apart (shrink_span) */
+            const int64_t start = A->spans[3 * s + 1];
+            const char *vectors = (const char *)A->mid + (start * A->mid_row + (i - start) * ad->shrink.n) * e;
+            for (int64_t p = 0; p < ad->parts; p++)
+                memcpy((uint16_t *)E->v[p] + (row % 16) * R, vectors + p * rank * e, rank * e);
+        }
+    }
+    const lora_side side = {first, table, R};
+    const int64_t done = ((lora_gemm_fn)M->lora_gemm)(x, W->packed, W->bias, y, m, silu ? W->n / 2 : W->n, W->k,
+                                                      threads, silu, &side);
+    return done;
+}
+
 static void add_adapters(const Model *M, const Step *S, const Lora *lora, int64_t layer, int64_t projection,
                          const void *x, int64_t in, void *y, int64_t out) {
     hearth_lora_add(M, lora, S->widened, layer, projection, x, in, y, out);
+}
+
+/* y = x W^T with the step's adapters of this projection: inside the product where they can ride in it
+ * (hearth_lora_product), else added after it. */
+static void adapted_product(const Model *M, const Step *S, const Lora *lora, int64_t layer, int64_t projection,
+                            const Matrix *W, const void *x, void *y, int64_t m) {
+    if (lora && lora_adapted(lora, layer, projection)
+        && hearth_lora_product(M, lora, S->widened, layer, projection, W, x, y, m, 0))
+        return;
+    product(M, S, W, x, y, m);
+    add_adapters(M, S, lora, layer, projection, x, W->k, y, W->n);
 }
 
 /* The attention of every row: the decodes' over their blocks, each prompt chunk's as the forward runs it. S->q
@@ -302,8 +429,7 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
     const Lora *lora = S->lora;
 
     norm(S->h, S->has_x ? S->x : NULL, L->input_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
-    product(M, S, &L->qkv, S->normed, S->qkv, m);
-    add_adapters(M, S, lora, index, QKV, S->normed, M->hidden, S->qkv, qkv_row);
+    adapted_product(M, S, lora, index, QKV, &L->qkv, S->normed, S->qkv, m);
     ((rope_fn)M->rope)(S->qkv, qkv_row, (char *)S->qkv + (hq + hkv) * d * e, qkv_row, L->cos, L->sin, S->positions,
                        S->slots + index * hkv * m, S->k_cache, S->v_cache, S->pos_cache, m, hq, hkv, d, M->threads);
     for (int64_t r = 0; r < m; r++) /* the queries of each row, contiguous as the attention kernels read them */
@@ -314,8 +440,7 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
         lora = S->lora_kept;
         if ((m = keep_rows(M, S)) == 0) return; /* no row samples: the keys and values are written */
     }
-    product(M, S, &L->o, S->attn, S->x, m);
-    add_adapters(M, S, lora, index, O, S->attn, q_row, S->x, M->hidden);
+    adapted_product(M, S, lora, index, O, &L->o, S->attn, S->x, m);
     norm(S->h, S->x, L->post_norm, S->normed, m, M->hidden, M->eps, M->norm_offset, M->threads);
     const Matrix *gu = &L->gate_up;
     if (m > M->gemv_rows && L->gate_up_silu && !(lora && lora_adapted(lora, index, GATE_UP))) {
@@ -325,11 +450,10 @@ void hearth_decode_layer(const Model *M, const Layer *L, Step *S, int64_t index)
         else
             ((gemv_widened_fn)L->gate_up_silu)(S->normed, gu->packed, gu->bias, S->act, m, M->inter, gu->k,
                                                 M->threads, S->widened);
-    } else {
-        product(M, S, gu, S->normed, S->gate_up, m);
-        add_adapters(M, S, lora, index, GATE_UP, S->normed, M->hidden, S->gate_up, 2 * M->inter);
+    } else if (!(L->gate_up_silu && lora_adapted(lora, index, GATE_UP)
+                 && hearth_lora_product(M, lora, S->widened, index, GATE_UP, gu, S->normed, S->act, m, 1))) {
+        adapted_product(M, S, lora, index, GATE_UP, gu, S->normed, S->gate_up, m);
         ((silu_mul_fn)M->silu_mul)(S->gate_up, S->act, m, M->inter, M->threads);
     }
-    product(M, S, &L->down, S->act, S->x, m);
-    add_adapters(M, S, lora, index, DOWN, S->act, M->inter, S->x, M->hidden);
+    adapted_product(M, S, lora, index, DOWN, &L->down, S->act, S->x, m);
 }

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "amx.h"
+#include "lora_side.h"
 
 #define AMX_ROWS 16 /* rows of an x tile */
 #define AMX_K 32    /* k per tile multiply */
@@ -89,13 +90,43 @@ static inline __attribute__((always_inline)) void amx_epilogue(int kind, amx_uni
     u->rows = 0;
 }
 
+/* The LoRA expands of 16-row group `group` (lora_side.h) into the sums of the block of outputs from `column` on:
+ * tiles 0-1 (second 0) or 2-3 (second 1). Per entry, the part whose outputs hold the block: its rank-vector tile
+ * times the block's rows of its expand, 32 ranks a multiply. */
+static inline __attribute__((always_inline)) void amx_lora(const lora_side *L, int64_t group, int64_t column,
+                                                            int second) {
+    for (int64_t e = L->first[group]; e < L->first[group + 1]; e++) {
+        const lora_entry *E = &L->entries[e];
+        for (int64_t p = 0; p < E->parts; p++) {
+            if (!E->b[p] || column < E->column[p] || column >= E->column[p] + E->n[p]) continue;
+            const char *w = (const char *)(E->b[p] + (column - E->column[p]) * E->rank); /* its block: rank x 32 */
+            const uint16_t *v = E->v[p];
+            for (int64_t j = 0; j < E->rank; j += AMX_K, w += 2048) {
+                _tile_loadd(6, w, 128);
+                _tile_loadd(7, w + 64, 128);
+                if (second) {
+                    _tile_loadd(5, v + j, L->stride * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                } else {
+                    _tile_loadd(4, v + j, L->stride * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+            }
+            break;
+        }
+    }
+}
+
 /* Tiles 0-3 = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k; x rows 2k
  * bytes apart. groups and fetch are constants once inlined: one loop each, no branch in it. The sums stay in the
  * tiles until amx_store. After each step's multiplies come a row or two of the epilogue of `before` (an earlier
  * unit, whose sums are already stored), until all of its rows are done (see amx_block_rows). */
 static inline __attribute__((always_inline)) void amx_run(int kind, int groups, int fetch, const uint16_t *x0,
                                                            const uint16_t *x1, int64_t k, const uint16_t *block,
-                                                           amx_unit *before, int64_t n) {
+                                                           amx_unit *before, int64_t n, const lora_side *lora,
+                                                           int64_t group, int64_t column) {
     const int64_t stride = 2 * k, steps = k / AMX_K;
     const int64_t per = (before->rows + steps - 1) / steps; /* rows of the earlier unit's epilogue a step */
     int64_t done = 0;
@@ -119,6 +150,10 @@ static inline __attribute__((always_inline)) void amx_run(int kind, int groups, 
         for (int64_t e = 0; e < per && done < before->rows; e++, done++) amx_epilogue_row(kind, before, done, n);
     }
     before->rows = 0;
+    if (lora) {
+        amx_lora(lora, group, column, 0);
+        if (groups == 2) amx_lora(lora, group + 1, column, 1);
+    }
 }
 
 /* amx_run's sums into sums [32][BW]. */
@@ -134,11 +169,14 @@ static inline __attribute__((always_inline)) void amx_store(int groups, float su
 /* amx_run with its constant arguments chosen at run time. */
 static inline __attribute__((always_inline)) void amx_run_any(int kind, int64_t groups, int fetch,
                                                                const uint16_t *x0, const uint16_t *x1, int64_t k,
-                                                               const uint16_t *block, amx_unit *before, int64_t n) {
+                                                               const uint16_t *block, amx_unit *before, int64_t n,
+                                                               const lora_side *L, int64_t g, int64_t c) {
     if (groups == 2)
-        fetch ? amx_run(kind, 2, 1, x0, x1, k, block, before, n) : amx_run(kind, 2, 0, x0, x1, k, block, before, n);
+        fetch ? amx_run(kind, 2, 1, x0, x1, k, block, before, n, L, g, c)
+              : amx_run(kind, 2, 0, x0, x1, k, block, before, n, L, g, c);
     else
-        fetch ? amx_run(kind, 1, 1, x0, x0, k, block, before, n) : amx_run(kind, 1, 0, x0, x0, k, block, before, n);
+        fetch ? amx_run(kind, 1, 1, x0, x0, k, block, before, n, L, g, c)
+              : amx_run(kind, 1, 0, x0, x0, k, block, before, n, L, g, c);
 }
 
 /* Row r of x, or of the zero-padded copy of the last partial group (tail, which holds rows [tail_from, m)). */
@@ -163,17 +201,19 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
                                                                   int64_t k, const uint16_t *block,
                                                                   const uint16_t *up, const void *b, const void *b_up,
                                                                   char *y, best *bests, int64_t n, int64_t c0,
-                                                                  int64_t width, amx_unit units[2], int *pending) {
+                                                                  int64_t width, amx_unit units[2], int *pending,
+                                                                  const lora_side *lora) {
     const int64_t out = kind == BF16_PAIRS ? 2 : 4; /* bytes per output */
     for (int64_t g = 0; g < rows; g += 32) {
         const int64_t r = r0 + g, here = rows - g < 32 ? rows - g : 32, groups = here > AMX_ROWS ? 2 : 1;
         const uint16_t *x0 = amx_row(x, tail, tail_from, r, k), *x1 = amx_row(x, tail, tail_from, r + AMX_ROWS, k);
         amx_unit *now = &units[!*pending], *before = &units[*pending];
         /* the first pass over a block reads it from memory: only that one fetches ahead */
-        amx_run_any(kind, groups, g == 0, x0, x1, k, block, before, n); /* the earlier unit's epilogue too */
+        /* the earlier unit's epilogue too; r is a multiple of 16 (chunks and units are) */
+        amx_run_any(kind, groups, g == 0, x0, x1, k, block, before, n, lora, r / AMX_ROWS, c0);
         amx_store(groups, now->sums);
-        if (up) {
-            amx_run_any(kind, groups, g == 0, x0, x1, k, up, before, n);
+        if (up) { /* silu: the up half's outputs are the projection's n + c0 on */
+            amx_run_any(kind, groups, g == 0, x0, x1, k, up, before, n, lora, r / AMX_ROWS, n + c0);
             amx_store(groups, now->ups);
         }
         now->rows = here, now->up = up != NULL, now->y = y ? y + g * n * out : NULL; /* not a compound literal: */
@@ -187,7 +227,7 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
  * product_argmax, y unused) on tiles, for kind BF16_PAIRS or BF16_WIDE and k % AMX_K == 0: the same items of
  * blocks and chunks of rows, dealt between threads the same way (deal.h). 0, or -1 out of memory. */
 static int amx_product(int kind, const uint16_t *x, const uint16_t *packed, const uint16_t *b, void *y, int64_t m,
-                       int64_t n, int64_t k, int64_t threads, int silu, int64_t *tokens) {
+                       int64_t n, int64_t k, int64_t threads, int silu, int64_t *tokens, const lora_side *lora) {
     const int64_t blocks = (n + BW - 1) / BW, bytes = k * BW, out = kind == BF16_PAIRS ? 2 : 4;
     /* a last group of fewer than 16 rows reads them from a copy padded with zero rows */
     const int64_t tail_from = m - m % AMX_ROWS;
@@ -219,7 +259,7 @@ static int amx_product(int kind, const uint16_t *x, const uint16_t *packed, cons
             amx_block_rows(kind, x, tail, tail_from, r0, rows, k, packed + blk * bytes,
                            silu ? packed + (blk + blocks) * bytes : NULL, bias, bias_up,
                            mine ? NULL : (char *)y + (r0 * n + c0) * out, mine ? mine + r0 : NULL, n, c0, width,
-                           units, &pending);
+                           units, &pending, lora);
         }
         _tile_release();
         if (units[pending].rows) amx_epilogue(kind, &units[pending], n);
@@ -232,5 +272,5 @@ static int amx_product(int kind, const uint16_t *x, const uint16_t *packed, cons
 /* gemm.c's product_argmax on tiles: y [m] the argmax of each row of hearth_gemm_bf16_wide's outputs. */
 static int amx_product_argmax(const uint16_t *x, const uint16_t *packed, const uint16_t *b, int64_t *y, int64_t m,
                               int64_t n, int64_t k, int64_t threads) {
-    return amx_product(BF16_WIDE, x, packed, b, NULL, m, n, k, threads, 0, y);
+    return amx_product(BF16_WIDE, x, packed, b, NULL, m, n, k, threads, 0, y, NULL);
 }

@@ -306,3 +306,58 @@ def test_an_adapters_cpu_products_lie_in_one_region_in_the_order_a_step_reads_th
             buffers += [shrink.gemv_weight.packed, *(e.gemv_weight.packed for _, e in expands)]
         for before, after in itertools.pairwise(buffers):
             assert after.data_ptr() == before.data_ptr() + memory.Arena.size(before.nbytes), adapter.name
+
+
+@pytest.mark.parametrize("forward", ["one-call layers", "python"])
+def test_adapters_ride_inside_the_products_where_amx_tiles_carry_them(tiny_base: Path, tmp_path: Path, forward: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX tiles a bf16 model's rank-32 adapters are summed inside each base product, prompt chunks and decode
+    steps alike, on the one-call layers (decode_layer.c's hearth_lora_product) and in the Python forward
+    (LoraRows.product), each output rounded once: not the bits of the adapters added after each product
+    (HEARTH_LORA_FUSED=off), but logits as close to PEFT's fp32 ones, and every greedy token of a batch within
+    bf16 rounding of the top of that path's logits over the same tokens."""
+    from inference.config import default_dtype
+    from kernels import cpu_decode_layer
+
+    if cpu_decode_layer.lora_gemm(torch.bfloat16) is None or default_dtype("cpu") != torch.bfloat16:
+        pytest.skip("bf16 products of many rows are not on AMX tiles here")
+    path = make_peft_adapter(tiny_base, tmp_path / "r32", rank=32, alpha=64, targets=TARGET_SETS[1],
+                             seed=int(torch.randint(0, 2**31 - 1, ())))
+    adapter = LoRARequest("r32", path)
+    config = EngineConfig(dtype="bfloat16", kv_cache_memory="32MiB", max_loras=2)
+    inside = LLM(tiny_base, config)
+    monkeypatch.setenv("HEARTH_LORA_FUSED", "off")
+    apart = LLM(tiny_base, config)
+    monkeypatch.undo()
+    assert inside.engine.runner.model.decode_stack.model.lora_gemm
+    assert not apart.engine.runner.model.decode_stack.model.lora_gemm
+    if forward == "python":
+        inside.engine.runner.model.decode_stack = apart.engine.runner.model.decode_stack = None
+    fused: list[tuple[int, bool]] = []  # the inside engine's calls: (rows, whether the adapters rode inside)
+    product = cpu_decode_layer.LoraRows.product
+
+    def recorded(self: cpu_decode_layer.LoraRows, layer: int, projection: str, x: torch.Tensor, *args, **kwargs):
+        y = product(self, layer, projection, x, *args, **kwargs)
+        if self.table.model.lora_gemm:
+            fused.append((x.shape[0], y is not None))
+        return y
+
+    monkeypatch.setattr(cpu_decode_layer.LoraRows, "product", recorded)
+    ref = peft_reference(tiny_base, path)
+    for prompt in PROMPTS[:3]:
+        ids = inside.encode(prompt, raw=True)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+        ours, theirs = inside.engine.prompt_logits(ids, lora=adapter), apart.engine.prompt_logits(ids, lora=adapter)
+        assert not torch.equal(ours, theirs), prompt  # another computation: the sums rounded once
+        error, error_apart, effect = ((logits - expected).abs().mean().item()
+                                      for logits in (ours, theirs, inside.engine.prompt_logits(ids)))
+        assert error < effect / 4 and error < 1.5 * error_apart, (prompt, error, error_apart, effect)
+    if forward == "python":  # products of more rows than the GEMV's carry them (a last layer's sampled row: not)
+        assert fused and all(done for rows, done in fused if rows > cpu_decode_layer.MAX_ROWS), fused
+    batch = [inside.encode(prompt, raw=True) for prompt in PROMPTS[:4]]  # decode steps of four rows: the GEMM
+    for ids, out in zip(batch, inside.generate_ids(batch, GREEDY, adapter), strict=True):
+        logits = apart.engine.prompt_logits(ids + out.token_ids[:-1], lora=adapter)[len(ids) - 1:]
+        top = logits.max(dim=-1).values
+        chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert bool((chosen >= top - 0.1).all()), (out.token_ids, (top - chosen).tolist())

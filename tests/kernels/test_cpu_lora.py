@@ -106,3 +106,74 @@ def test_rows_it_cannot_read_as_they_are_are_not_taken() -> None:
     assert not rows.takes(x.t().contiguous().t(), y)  # not contiguous
     assert not rows.takes(x.bfloat16(), y.bfloat16())  # another dtype than the table's
     assert not rows.takes(x[:3], y)  # not the step's rows
+
+
+def test_adapters_inside_the_products_on_amx_tiles_add_what_the_definition_adds() -> None:
+    """hearth_lora_product (the expands summed in the base product's tiles, each output rounded once): against the
+    definition in fp32 (x W^T + each part's rank vectors times its B^T), rows of the base model bit for bit the
+    plain product's; gate|up straight into silu(gate) * up; rows mixing adapters inside a 16-row group, a last
+    partial group and chunks of 96 rows; and a rank off the tiles' 32 is left to the caller."""
+    if cpu_decode_layer.lora_gemm(torch.bfloat16) is None:
+        pytest.skip("bf16 products of many rows are not on AMX tiles here (a CPU, build or process without them)")
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    dtype, slots = torch.bfloat16, 4
+    table = cpu_decode_layer.AdapterTable(slots, 1, dtype)
+    packs: dict[tuple[int, str], lora_ref.Packed] = {}
+    held = []
+    for slot in range(slots):
+        rank = (32, 64, 32, 32)[slot]
+        for projection, (fan_in, bounds) in SHAPES.items():
+            chosen = [j for j in range(len(bounds) - 1) if slot == 0 or torch.rand((), generator=gen) < 0.7]
+            if not chosen:
+                continue
+            subs = [(j, torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5,
+                     torch.randn(bounds[j + 1] - bounds[j], rank, generator=gen) / rank ** 0.5) for j in chosen]
+            packed = packs[(slot, projection)] = lora_ref.pack(subs, bounds, 0.5 + float(torch.rand((), generator=gen)),
+                                                               dtype)
+            shrink, expands = Linear(packed.a), [(column, Linear(b)) for column, b in packed.parts]
+            held.append((shrink, expands))  # the table points into their weights
+            table.set(slot, 0, projection, (*shrink.kernel_weight(), shrink.gemm),
+                      [(column, (*e.kernel_weight(), e.gemm)) for column, e in expands])
+    assert all(table.ready)
+    for m in (3, 21, 130):
+        row_slots = torch.randint(-1, slots, (m,), generator=gen).numpy()  # adapters mixed within 16-row groups
+        order, spans = _rows(row_slots)
+        rows = cpu_decode_layer.LoraRows(cpu_decode_layer.AdapterRows(table, order, torch.tensor(spans)))
+        for projection, (fan_in, bounds) in SHAPES.items():
+            w = (torch.randn(bounds[-1], fan_in, generator=gen) / fan_in ** 0.5).to(dtype)
+            bias = (torch.randn(bounds[-1], generator=gen) / 10).to(dtype) if projection == "qkv" else None
+            base = Linear(w, bias)
+            x = torch.randn(m, fan_in, generator=gen).to(dtype)
+            want = x.float() @ w.float().t() + (bias.float() if bias is not None else 0.0)
+            for row, slot in enumerate(row_slots):
+                packed = packs.get((int(slot), projection))
+                if slot < 0 or packed is None:
+                    continue
+                vectors = (x[row].float() @ packed.a.float().t()).to(dtype).float()  # the shrink's rounded outputs
+                rank = vectors.numel() // len(packed.parts)
+                for i, (column, b) in enumerate(packed.parts):
+                    want[row, column:column + b.shape[0]] += b.float() @ vectors[i * rank:(i + 1) * rank]
+            matrix = cpu_decode_layer.matrix(*base.kernel_weight(), dtype, base.gemm)
+            got = rows.product(0, projection, x, matrix)
+            assert got is not None, (seed, m, projection)
+            plain = torch.from_numpy(np.array([s < 0 or (int(s), projection) not in packs for s in row_slots]))
+            assert torch.equal(got[plain], base(x)[plain]), (seed, m, projection)  # no adapter: the same bits
+            where = f"seed {seed}, {m} rows, {projection}"
+            torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2e-2,
+                                       msg=lambda text, where=where: f"{where}: {text}")
+            if projection == "gate_up":
+                act = rows.product(0, projection, x, matrix, silu=True)
+                assert act is not None and act.shape == (m, INTER)
+                gate, up = want.to(dtype).float().chunk(2, dim=-1)
+                torch.testing.assert_close(act.float(), torch.nn.functional.silu(gate) * up, rtol=2 ** -6, atol=2e-2,
+                                           msg=lambda text, where=where: f"{where}, silu: {text}")
+                assert torch.equal(act[plain], cpu_gemv.gemm_silu(x, *base.kernel_weight())[plain])
+    odd = cpu_decode_layer.AdapterTable(1, 1, dtype)  # rank 16: the tiles take 32 ranks a multiply
+    a, b = Linear(torch.randn(16, HIDDEN, dtype=dtype)), Linear(torch.randn(HIDDEN, 16, dtype=dtype))
+    odd.set(0, 0, "o", (*a.kernel_weight(), True), [(0, (*b.kernel_weight(), True))])
+    order, spans = _rows(np.zeros(8, dtype=np.int64))
+    rows = cpu_decode_layer.LoraRows(cpu_decode_layer.AdapterRows(odd, order, torch.tensor(spans)))
+    base = Linear(torch.randn(HIDDEN, HIDDEN, dtype=dtype))
+    assert rows.product(0, "o", torch.randn(8, HIDDEN, dtype=dtype),
+                        cpu_decode_layer.matrix(*base.kernel_weight(), dtype, base.gemm)) is None
