@@ -45,13 +45,23 @@ class Arena:
     """Zeroed buffers carved one after another from one region (on huge pages where `zeros` puts it), in the
     order they are asked for: weights that are read in turn then lie in turn in memory, so the kernels' fetches
     ahead, which run past the end of one matrix, bring in the next one (a LoRA adapter's many small matrices:
-    inference/lora/slots.py). A request past the end gets a buffer of its own."""
+    inference/lora/slots.py). A request past the end gets a buffer of its own. `reset` carves from the start again
+    (a LoRA slot's region, reused for the next adapter loaded into it)."""
 
     ALIGN = 64  # a cache line: each buffer starts on one, as torch's own allocations do
 
     def __init__(self, nbytes: int) -> None:
         self._raw = zeros((max(1, nbytes),), torch.uint8)
         self._at = 0
+        self._used = False  # whether buffers carved before a reset may hold data
+
+    @property
+    def capacity(self) -> int:
+        return self._raw.numel()
+
+    def reset(self) -> None:
+        """Carve from the start again (what was carved before must no longer be used); buffers come zeroed."""
+        self._at, self._used = 0, True
 
     @staticmethod
     def size(nbytes: int) -> int:
@@ -64,4 +74,6 @@ class Arena:
             return torch.zeros(shape, dtype=dtype)
         view = self._raw[self._at: self._at + nbytes]
         self._at += self.size(nbytes)
+        if self._used:
+            view.zero_()
         return view.view(dtype).view(shape)

@@ -108,6 +108,7 @@ class LoRASlots:
         self._idle: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU order
         self.stats = LoRAStats()
         self._matrices: dict[int, tuple[Linear, cpu_decode_layer.Matrix]] = {}  # id(layer) -> (layer, its product)
+        self._arenas: list[memory.Arena | None] = [None] * max_loras  # each slot's packed products (CPU)
         self._scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         # The packed adapters' products run in fp32, where they are small and a CPU without native bf16 runs
         # bf16 ones several times slower; in bf16 where the model is bf16 on a CPU that multiplies it natively,
@@ -193,7 +194,7 @@ class LoRASlots:
         keys = sorted(host.weights, key=lambda key: (key[0], cpu_decode_layer.PROJECTIONS.index(key[1])))
         packs = {key: lora_ref.pack(host.weights[key], self.bounds[key[1]], host.spec.scaling, self.packed_dtype)
                  for key in keys} if not self.stacked else {}
-        zeros = self._arena(packs.values())
+        zeros = self._arena(index, packs.values())
         for key in keys:
             subs = host.weights[key]
             bounds = self.bounds[key[1]]
@@ -222,18 +223,25 @@ class LoRASlots:
         self.stats.slot_loads += 1
         self.stats.slot_seconds += time.perf_counter() - start
 
-    def _arena(self, packs: Iterable[lora_ref.Packed]) -> cpu_gemv.Zeros:
-        """Where a slot's packed products go on CPU: one region for the whole adapter, its matrices one after
+    def _arena(self, index: int, packs: Iterable[lora_ref.Packed]) -> cpu_gemv.Zeros:
+        """Where slot `index`'s packed products go on CPU: one region for the whole adapter, its matrices one after
         another in the order a step reads them (`_load` packs them in that order). A decode step reads every
         adapter present, thousands of matrices of a few KB to a few hundred KB each; apart, each begins a
         stream of its own on 4 KiB pages (they are smaller than a huge page), and the kernels' fetches ahead run
         past its end into unrelated memory. Together, on huge pages, those fetches bring in the next matrix
-        while the last one's products run (docs/benchmarks.md, the LoRA notes)."""
+        while the last one's products run (docs/benchmarks.md, the LoRA notes). The slot keeps its region for
+        the next adapter loaded into it where that one fits (a fresh mapping's first touch cost a cold load
+        ~30 ms more there); the slot's old products are gone by then (`_load` clears them first)."""
         if self.device.type != "cpu" or not cpu_gemv.supports(torch.empty(0, 2, dtype=self.packed_dtype)):
             return memory.zeros
         nbytes = sum(memory.Arena.size(cpu_gemv.packed_nbytes(*w.shape, w.dtype))
                      for packed in packs for w in (packed.a, *(b for _, b in packed.parts)))
-        return memory.Arena(nbytes).zeros
+        arena = self._arenas[index]
+        if arena is None or arena.capacity < nbytes:
+            arena = self._arenas[index] = memory.Arena(nbytes)
+        else:
+            arena.reset()
+        return arena.zeros
 
     def _stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self.a:

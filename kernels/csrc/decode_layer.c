@@ -206,13 +206,18 @@ static void add_rows(void *y, int64_t out, const int64_t *rows, int64_t m, const
     }
 }
 
-/* The rank vectors of a span's rows (its adapter's shrink) into A->mid at the span's rows, from their rows of x
- * gathered into A->xs first. */
+/* The rank vectors of a span's rows (its adapter's shrink) into A->mid at the span's rows, from their rows of x:
+ * read in place where they follow each other (a prompt chunk's), else gathered into A->xs first. */
 static void shrink_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
                         const void *x, int64_t in, int64_t threads) {
     const int64_t e = M->elem, *rows = A->order + start;
-    char *xs = (char *)A->xs + start * in * e, *mid = (char *)A->mid + start * A->mid_row * e;
-    for (int64_t i = 0; i < m; i++) memcpy(xs + i * in * e, (const char *)x + rows[i] * in * e, in * e);
+    const char *xs = (const char *)x + rows[0] * in * e;
+    char *mid = (char *)A->mid + start * A->mid_row * e;
+    if (rows[m - 1] - rows[0] != m - 1) { /* rows ascend within a span: only consecutive ones span m - 1 */
+        char *gathered = (char *)A->xs + start * in * e;
+        for (int64_t i = 0; i < m; i++) memcpy(gathered + i * in * e, (const char *)x + rows[i] * in * e, in * e);
+        xs = gathered;
+    }
     product_rows(M, &ad->shrink, xs, mid, m, threads, widened_rows + start * A->widened_row);
 }
 

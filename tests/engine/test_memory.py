@@ -50,7 +50,7 @@ def test_weights_packed_onto_huge_pages_hold_their_source_and_layers_on_them_com
     assert pool.k.shape == (1024, 16, 64) and int(pool.k.count_nonzero()) == 0 and int(pool.pos.count_nonzero()) == 0
 
 
-def test_an_arena_lays_buffers_one_after_another_zeroed_and_aligned_and_gives_one_of_its_own_past_its_end() -> None:
+def test_an_arena_lays_buffers_one_after_another_zeroed_and_aligned_and_carves_again_after_a_reset() -> None:
     sizes = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2, 2, 2), torch.float32), ((1,), torch.int64)]
     room = sum(memory.Arena.size(torch.empty(shape, dtype=dtype).nbytes) for shape, dtype in sizes)
     arena = memory.Arena(room)
@@ -65,6 +65,10 @@ def test_an_arena_lays_buffers_one_after_another_zeroed_and_aligned_and_gives_on
     extra = arena.zeros((4,), torch.float32)  # no room left: a buffer of its own, still zeroed
     assert int(extra.count_nonzero()) == 0
     assert not made[0].data_ptr() <= extra.data_ptr() < made[-1].data_ptr() + made[-1].nbytes
+    first = made[0].data_ptr()
+    arena.reset()  # carved again from the start, zeroed although the old buffers were written
+    again = arena.zeros((3, 5), torch.bfloat16)
+    assert again.data_ptr() == first and int(again.count_nonzero()) == 0
     big = memory.Arena(3 << 20)  # large: on huge pages like memory.zeros, and alive while a view is
     view = big.zeros((4,), torch.float32)
     assert view.data_ptr() % memory.HUGE_PAGE == 0
