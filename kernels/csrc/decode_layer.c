@@ -242,6 +242,32 @@ static void add_span(const Model *M, const Lora *A, float *widened_rows, const A
     }
 }
 
+/* Each span's work: its deltas added to y (add_span), or with y NULL its shrink alone (shrink_span). With at least
+ * as many adapters as threads, each thread takes whole adapters, their products on one thread: a step's few rows
+ * per adapter make products of a few microseconds, which a parallel region per product would double. Each output
+ * is computed by the same code on the same rows either way, so the results do not change. */
+static void span_work(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection,
+                      const void *x, int64_t in, void *y, int64_t out, int64_t s, int64_t threads) {
+    const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+    const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
+    if (!ad->shrink.fn || m <= 0) return;
+    if (y)
+        add_span(M, A, widened, ad, start, m, x, in, y, out, threads);
+    else
+        shrink_span(M, A, widened, ad, start, m, x, in, threads);
+}
+
+static void run_spans(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection,
+                      const void *x, int64_t in, void *y, int64_t out) {
+    const int64_t n = A->n_spans, threads = M->threads > 0 ? M->threads : 1;
+    if (n >= threads && threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t s = 0; s < n; s++) span_work(M, A, widened, layer, projection, x, in, y, out, s, 1);
+        return;
+    }
+    for (int64_t s = 0; s < n; s++) span_work(M, A, widened, layer, projection, x, in, y, out, s, threads);
+}
+
 /* y [rows, out] += each adapted row's delta from x [rows, in], as lora_apply_packed computes it: the adapter's
  * rows gathered, its two products on them, each delta added to its row once (in the activations' dtype). With
  * at least as many adapters as threads, each thread takes whole adapters, their products on one thread: a step's
@@ -252,21 +278,7 @@ static void add_span(const Model *M, const Lora *A, float *widened_rows, const A
 void hearth_lora_add(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection,
                      const void *x, int64_t in, void *y, int64_t out) {
     if (!A || !lora_adapted(A, layer, projection)) return;
-    const int64_t n = A->n_spans, threads = M->threads > 0 ? M->threads : 1;
-    if (n >= threads && threads > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-        for (int64_t s = 0; s < n; s++) {
-            const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
-            const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
-            if (ad->shrink.fn && m > 0) add_span(M, A, widened, ad, start, m, x, in, y, out, 1);
-        }
-        return;
-    }
-    for (int64_t s = 0; s < n; s++) {
-        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
-        const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
-        if (ad->shrink.fn && m > 0) add_span(M, A, widened, ad, start, m, x, in, y, out, threads);
-    }
+    run_spans(M, A, widened, layer, projection, x, in, y, out);
 }
 
 /* Buffer `which` (0-2) of the calling thread's scratch for hearth_lora_product, at least `bytes` long (NULL out
@@ -289,8 +301,7 @@ static void *scratch(int which, int64_t bytes) {
  * present that changes the projection of a rank and sub-module columns in whole tiles and blocks of 32. */
 static int lora_fusable(const Model *M, const Lora *A, int64_t layer, int64_t projection, const Matrix *W,
                         int64_t m) {
-    if (!M->lora_gemm || !A || W->kind != GEMV_BF16 || !W->many || m <= M->gemv_rows || W->k % 32 || A->rank % 32)
-        return 0;
+    if (!M->lora_gemm || !A || W->kind != GEMV_BF16 || !W->many || m <= M->gemv_rows || W->k % 32) return 0;
     for (int64_t s = 0; s < A->n_spans; s++) {
         const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
         if (!ad->shrink.fn) continue;
@@ -308,8 +319,8 @@ static int lora_fusable(const Model *M, const Lora *A, int64_t layer, int64_t pr
 int64_t hearth_lora_product(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection,
                             const Matrix *W, const void *x, void *y, int64_t m, int64_t silu) {
     if (!lora_fusable(M, A, layer, projection, W, m)) return 0;
-    const int64_t e = M->elem, groups = (m + 15) / 16, R = A->rank, n = A->n_spans;
-    const int64_t threads = M->threads > 0 ? M->threads : 1;
+    /* R: a tile row's elements, the highest rank of the table in whole tiles (the entries' ranks are whole ones) */
+    const int64_t e = M->elem, groups = (m + 15) / 16, R = (A->rank + 31) / 32 * 32, n = A->n_spans;
     int64_t *first = scratch(0, (2 * groups + 1) * sizeof *first), *cursor = first + groups + 1, entries = 0;
     if (!first) return 0;
     memset(first, 0, (groups + 1) * sizeof *first);
@@ -325,20 +336,7 @@ int64_t hearth_lora_product(const Model *M, const Lora *A, float *widened, int64
     uint16_t *tiles = scratch(2, (entries ? entries : 1) * LORA_PARTS * 16 * R * sizeof *tiles);
     if (!table || !tiles) return 0;
     for (int64_t g = 0; g < groups; g++) first[g + 1] += first[g], cursor[g] = first[g];
-    if (n >= threads && threads > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-        for (int64_t s = 0; s < n; s++) {
-            const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
-            const int64_t start = A->spans[3 * s + 1], rows = A->spans[3 * s + 2] - start;
-            if (ad->shrink.fn && rows > 0) shrink_span(M, A, widened, ad, start, rows, x, W->k, 1);
-        }
-    } else {
-        for (int64_t s = 0; s < n; s++) {
-            const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
-            const int64_t start = A->spans[3 * s + 1], rows = A->spans[3 * s + 2] - start;
-            if (ad->shrink.fn && rows > 0) shrink_span(M, A, widened, ad, start, rows, x, W->k, threads);
-        }
-    }
+    run_spans(M, A, widened, layer, projection, x, W->k, NULL, 0); /* the shrinks: each span's rank vectors */
     for (int64_t s = 0; s < n; s++) { /* each row's rank vectors into its group's entry for its adapter */
         const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
         if (!ad->shrink.fn) continue;
@@ -366,9 +364,8 @@ int64_t hearth_lora_product(const Model *M, const Lora *A, float *widened, int64
         }
     }
     const lora_side side = {first, table, R};
-    const int64_t done = ((lora_gemm_fn)M->lora_gemm)(x, W->packed, W->bias, y, m, silu ? W->n / 2 : W->n, W->k,
-                                                      threads, silu, &side);
-    return done;
+    return ((lora_gemm_fn)M->lora_gemm)(x, W->packed, W->bias, y, m, silu ? W->n / 2 : W->n, W->k,
+                                        M->threads > 0 ? M->threads : 1, silu, &side);
 }
 
 static void add_adapters(const Model *M, const Step *S, const Lora *lora, int64_t layer, int64_t projection,
