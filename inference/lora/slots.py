@@ -230,9 +230,8 @@ class LoRASlots:
         stream of its own on 4 KiB pages (they are smaller than a huge page), and the kernels' fetches ahead run
         past its end into unrelated memory. Together, on huge pages, those fetches bring in the next matrix
         while the last one's products run (docs/benchmarks.md, the LoRA notes). The slot keeps its region for
-        the next adapter loaded into it where that one fits: a fresh region's first touch made a load ~40 ms
-        slower on an AMX Xeon VM (its huge pages compacted on fault); the slot's old products are gone by then
-        (`_load` clears them first)."""
+        the next adapter loaded into it where that one fits: faulting a fresh region's pages in made a load
+        ~40 ms slower on an AMX Xeon VM; the slot's old products are gone by then (`_load` clears them first)."""
         if self.device.type != "cpu" or not cpu_gemv.supports(torch.empty(0, 2, dtype=self.packed_dtype)):
             return memory.zeros
         nbytes = sum(memory.Arena.size(cpu_gemv.packed_nbytes(*w.shape, w.dtype))
