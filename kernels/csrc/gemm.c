@@ -33,6 +33,7 @@
 
 #include "best.h"
 #include "deal.h"
+#include "lora_side.h"
 #include "simd.h"
 
 #define NB 2         /* vectors per block: the layout of gemv.c */
@@ -488,4 +489,16 @@ void hearth_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
 #else
     (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;
 #endif
+}
+
+/* hearth_gemm_bf16 (silu 0; n outputs) or hearth_gemm_silu_bf16 (silu 1; n = inter) with LoRA adapters' expands
+ * added to each row's sums before its epilogue (lora_side.h). 1 when done; 0 where the product is not on AMX tiles
+ * (this build or process, or k), and y is untouched: the caller adds the adapters apart. */
+int64_t hearth_gemm_bf16_lora(const uint16_t *x, const uint16_t *packed, const uint16_t *b, uint16_t *y, int64_t m,
+                              int64_t n, int64_t k, int64_t threads, int64_t silu, const lora_side *lora) {
+#ifdef __AMX_BF16__
+    if (amx_takes(k)) return amx_product(BF16_PAIRS, x, packed, b, y, m, n, k, threads, (int)silu, NULL, lora) == 0;
+#endif
+    (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads, (void)silu, (void)lora;
+    return 0;
 }

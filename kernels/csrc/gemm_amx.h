@@ -274,13 +274,3 @@ static int amx_product_argmax(const uint16_t *x, const uint16_t *packed, const u
                               int64_t n, int64_t k, int64_t threads) {
     return amx_product(BF16_WIDE, x, packed, b, NULL, m, n, k, threads, 0, y, NULL);
 }
-
-/* hearth_gemm_bf16 (silu 0; n outputs) or hearth_gemm_silu_bf16 (silu 1; n = inter) with LoRA adapters' expands
- * added to each row's sums before its epilogue (lora_side.h). 1 when done; 0 where k is not a multiple of 32 or
- * the process may not use the tiles, and y is untouched: the caller adds the adapters apart. Only AMX builds have
- * it (kernels/cpu_decode_layer.lora_gemm asks for it where gemm.c's products run on the tiles). */
-int64_t hearth_gemm_bf16_lora(const uint16_t *x, const uint16_t *packed, const uint16_t *b, uint16_t *y, int64_t m,
-                              int64_t n, int64_t k, int64_t threads, int64_t silu, const lora_side *lora) {
-    if (!amx_takes(k)) return 0;
-    return amx_product(BF16_PAIRS, x, packed, b, y, m, n, k, threads, (int)silu, NULL, lora) == 0;
-}
