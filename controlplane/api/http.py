@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
@@ -33,6 +34,15 @@ def ascii_int(text: str | None) -> int | None:
 
 def dumps(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def dumps_bulk(data: Any) -> bytes:
+    """`dumps(data)` for answers of thousands of numbers (embedding vectors), as UTF-8 that reads back the same
+    (small numbers may be written without an exponent). json's C encoder holds the GIL for the whole of one call:
+    2,048 vectors took 0.4 s on a Zen 4 core (about a second on a busy VM), and for that long every other thread
+    of the process, the engine's and the event loop's among them, stood still, even with the writing in a worker
+    thread. orjson writes them in 0.03 s."""
+    return orjson.dumps(data)
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> HttpResponse:

@@ -240,7 +240,8 @@ class InProcessBackend:
         def run() -> EmbeddingResult:
             with self._embed_lock:
                 out = embedder.embed(texts)
-            return EmbeddingResult(vectors=out.embeddings.tolist(), dim=embedder.dim,
+            # Row by row: one tolist() of thousands of vectors holds the interpreter from every other thread.
+            return EmbeddingResult(vectors=[row.tolist() for row in out.embeddings.numpy()], dim=embedder.dim,
                                    prompt_tokens=out.prompt_tokens, token_counts=list(out.token_counts))
 
         return await asyncio.to_thread(run)

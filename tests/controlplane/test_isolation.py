@@ -1,6 +1,7 @@
 """One tenant's huge request never stalls another's stream: tokenising, refusing and rendering run off the event
 loop (live server, real engine). The goal is a max chunk gap of 0.5 s and /healthz under 0.2 s; the test allows a
-busy two-core machine twice that, and docs/benchmarks.md has the measured figures."""
+busy two-core machine twice that. On a 2-core Zen 4 VM: 0.09 s beside the embedding calls, against 0.44-0.47 s
+while their answer's JSON was written by json's encoder, which holds the GIL throughout."""
 
 from __future__ import annotations
 
@@ -21,17 +22,23 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
     headers = tenant.headers
     words = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
 
-    async def scenario() -> tuple[list[float], float, float, list[int]]:
+    async def scenario() -> tuple[list[list[float]], float, float, list[int]]:
         async with httpx.AsyncClient(timeout=120) as client:
-            arrivals: list[float] = []
+            streams: list[list[float]] = []  # when each stream's chunks arrived
+            finished = asyncio.Event()
 
             async def stream() -> None:
-                async with client.stream("POST", f"{run}{CHAT_MODEL}", headers=headers, json={
-                        "prompt": "Count: one, two,", "raw": True, "stream": True, "max_tokens": 120,
-                        "temperature": 0}) as response:
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: "):
-                            arrivals.append(time.monotonic())
+                # One stream after another until the last hostile call is answered, so that some stream is
+                # always running beside them, the writing of the embeddings' answer included.
+                while not finished.is_set():
+                    arrivals: list[float] = []
+                    streams.append(arrivals)
+                    async with client.stream("POST", f"{run}{CHAT_MODEL}", headers=headers, json={
+                            "prompt": "Count: one, two,", "raw": True, "stream": True, "max_tokens": 120,
+                            "temperature": 0}) as response:
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: "):
+                                arrivals.append(time.monotonic())
 
             async def healthz() -> float:
                 started = time.monotonic()
@@ -39,7 +46,7 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
                 return time.monotonic() - started
 
             watcher = asyncio.ensure_future(stream())
-            while not arrivals:
+            while not streams or not streams[0]:
                 await asyncio.sleep(0.01)
             # 9 MB: refused before tokenising; 600 kB: tokenised (about half a second each, on the event loop
             # that would be 1.5 s of silence for everyone), then refused as too long.
@@ -52,6 +59,7 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
                 slowest = max(slowest, await healthz())
                 await asyncio.sleep(0.05)
             statuses = [(await h).status_code for h in hostile]
+            # 2,048 vectors: seconds of work beside the stream's engine on the same cores, and 16 MB of JSON.
             texts = ["a short sentence to embed"] * 2048
             embedding_from = time.monotonic()
             embedding = await client.post(f"{run}{EMBED_MODEL}", headers=headers, json={"text": texts})
@@ -59,18 +67,21 @@ def test_huge_prompts_and_embedding_calls_beside_a_stream(live):  # noqa: F811
             too_many = await client.post(f"{run}{EMBED_MODEL}", headers=headers, json={"text": texts * 5})
             statuses.append(too_many.status_code)
             slowest = max(slowest, await healthz())
+            finished.set()
             await watcher
-        return arrivals, embedding_from, slowest, statuses
+        return streams, embedding_from, slowest, statuses
 
-    arrivals, embedding_from, slowest_healthz, statuses = asyncio.run(scenario())
+    streams, embedding_from, slowest_healthz, statuses = asyncio.run(scenario())
     # Which phase a gap fell in, for the failure message: beside the huge prompts, or beside the embedding calls
-    # (whose model shares the two cores with the stream's engine).
+    # (whose model shares the two cores with the stream's engine). A gap is between chunks of one stream.
     gaps = {"prompts": [0.0], "embeddings": [0.0]}
-    for a, b in zip(arrivals, arrivals[1:], strict=False):
-        gaps["prompts" if b <= embedding_from else "embeddings"].append(b - a)
+    for arrivals in streams:
+        for a, b in zip(arrivals, arrivals[1:], strict=False):
+            gaps["prompts" if b <= embedding_from else "embeddings"].append(b - a)
+    assert len(gaps["embeddings"]) > 20, "the streams did not run beside the embedding calls"
     max_gap = max(max(g) for g in gaps.values())
     where = ", ".join(f"{max(g):.2f} s beside the {phase}" for phase, g in gaps.items())
-    print(f"max chunk gap {max_gap:.3f} s ({where}), slowest /healthz {slowest_healthz:.3f} s")
+    print(f"max chunk gap {max_gap:.3f} s ({where}), slowest /healthz {slowest_healthz:.3f} s, {len(streams)} streams")
     assert statuses == [413, 413, 413, 413, 200, 400]
     assert max_gap < 1.0 and slowest_healthz < 0.4, f"max chunk gap: {where}; slowest /healthz {slowest_healthz:.2f} s"
 

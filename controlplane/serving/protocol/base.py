@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from controlplane.api import errors
 from controlplane.api.body import parse
-from controlplane.api.http import REPLICA_HEADER, SSE_DONE, ResponseWithAfterClose, dumps, sse
+from controlplane.api.http import REPLICA_HEADER, SSE_DONE, ResponseWithAfterClose, dumps, dumps_bulk, sse
 from controlplane.catalog.services import ModelEntry
 from controlplane.serving import pipeline
 from controlplane.serving.dispatch import EmbeddingResult
@@ -92,8 +92,9 @@ class Endpoint(ABC):
         job = adm.job
         if job.work is Work.EMBED:
             result, after = await pipeline.embed(adm, session_affinity=affinity, started=started)
-            # Thousands of vectors take seconds to write as JSON: not on the loop every tenant shares.
-            payload = await asyncio.to_thread(lambda: dumps(self.render_embeddings(job, result)))
+            # Thousands of vectors take seconds to write as JSON: not on the loop every tenant shares, and with
+            # an encoder that holds the interpreter (from the engine's thread too) for a small part of that.
+            payload = await asyncio.to_thread(lambda: dumps_bulk(self.render_embeddings(job, result)))
             return ResponseWithAfterClose(payload, content_type="application/json", after_close=after)
         gen = pipeline.Generation(adm=adm, stream=job.stream, session_affinity=affinity, started=started)
         await gen.prepare()
