@@ -1,4 +1,5 @@
-"""Every write to batches, their items and files. Views and tasks call these; nothing else writes these tables.
+"""Every write to batches and their items (files: controlplane.batches.file_services). Views and tasks call these; nothing
+else writes these tables.
 
 Item rows are the source of truth; broker messages only say "look at item N". A message may be lost (the
 sweep sends it again) or delivered twice (the claim turns the second one away), so neither changes what ends
@@ -24,6 +25,7 @@ from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import ascii_int
 from controlplane.batches import events, item_sql
+from controlplane.batches.file_services import page, result_file
 from controlplane.batches.models import Batch, File, Item
 from controlplane.batches.validation import ItemError, check_line
 from controlplane.catalog.services import get_model
@@ -37,64 +39,6 @@ ItemStatus = Item.Status
 
 def _now() -> datetime:
     return timezone.now()
-
-
-# ------------------------------------------------------------------------------------------------ files
-def create_file(ctx: KeyContext, *, purpose: str, filename: str, content: bytes,
-                expires_after_seconds: int | None = None) -> File:
-    if purpose != File.Purpose.BATCH:
-        raise errors.invalid(f"purpose: only 'batch' files can be uploaded here, not {purpose!r}", "purpose")
-    limit = settings.HEARTH_BATCH_MAX_FILE_BYTES
-    if len(content) > limit:
-        raise errors.request_too_large(f"The file is {len(content):,} bytes; the limit is {limit:,}")
-    if not content.strip():
-        raise errors.invalid("file: the file is empty", "file")
-    try:
-        content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise errors.invalid("file: a batch input file must be UTF-8 JSONL", "file") from None
-    now = _now()
-    expires = now + timedelta(seconds=expires_after_seconds) if expires_after_seconds else None
-    return File.objects.create(account_id=ctx.account_id, purpose=purpose, filename=filename[:255] or "input.jsonl",
-                               bytes=len(content), content=content, created_at=now, expires_at=expires)
-
-
-def get_file(account_id: str, file_id: str) -> File:
-    """The account's file; another account's id is simply not found."""
-    found = File.objects.filter(account_id=account_id, pk=file_id).defer("content").first()
-    if found is None:
-        raise errors.not_found(f"No such file: {file_id}")
-    return found
-
-
-def file_content(account_id: str, file_id: str) -> tuple[File, bytes]:
-    found = File.objects.filter(account_id=account_id, pk=file_id).first()
-    if found is None:
-        raise errors.not_found(f"No such file: {file_id}")
-    return found, bytes(found.content)
-
-
-def list_files(account_id: str, *, purpose: str | None, limit: int, after: str | None) -> tuple[list[File], bool]:
-    query = File.objects.filter(account_id=account_id).defer("content").order_by("-created_at", "-pk")
-    if purpose:
-        query = query.filter(purpose=purpose)
-    return _page(query, File, account_id, limit, after)
-
-
-def delete_file(account_id: str, file_id: str) -> None:
-    deleted, _ = File.objects.filter(account_id=account_id, pk=file_id).delete()
-    if not deleted:
-        raise errors.not_found(f"No such file: {file_id}")
-
-
-def _page(query: Any, model: Any, account_id: str, limit: int, after: str | None) -> tuple[list, bool]:
-    if after:
-        anchor = model.objects.filter(account_id=account_id, pk=after).only("created_at").first()
-        if anchor is None:
-            raise errors.invalid(f"after: no such object {after!r}", "after")
-        query = query.filter(Q(created_at__lt=anchor.created_at) | Q(created_at=anchor.created_at, pk__lt=anchor.pk))
-    rows = list(query[: limit + 1])
-    return rows[:limit], len(rows) > limit
 
 
 # ------------------------------------------------------------------------------------------------ batches
@@ -167,7 +111,7 @@ def get_batch(account_id: str, batch_id: str) -> Batch:
 
 def list_batches(account_id: str, *, limit: int, after: str | None) -> tuple[list[Batch], bool]:
     query = Batch.objects.filter(account_id=account_id).order_by("-created_at", "-pk")
-    return _page(query, Batch, account_id, limit, after)
+    return page(query, Batch, account_id, limit, after)
 
 
 def items_of(batch: Batch) -> list[Item]:
@@ -515,9 +459,9 @@ def finalize(batch_id: str) -> None:
             items = items_of(batch)
             out, err = output_lines(items), error_lines(items)
             if out:
-                changes["output_file"] = _result_file(batch, "output", out, now)
+                changes["output_file"] = result_file(batch, "output", out, now)
             if err:
-                changes["error_file"] = _result_file(batch, "errors", err, now)
+                changes["error_file"] = result_file(batch, "errors", err, now)
         if batch.cancelling_at is not None:
             changes.update(status=Status.CANCELLED, cancelled_at=now)
         elif batch.expired_at is not None:
@@ -528,10 +472,3 @@ def finalize(batch_id: str) -> None:
             setattr(batch, name, value)
         batch.save(update_fields=list(changes))
     events.publish(batch)
-
-
-def _result_file(batch: Batch, kind: str, lines: list[bytes], now: datetime) -> File:
-    content = b"".join(lines)
-    return File.objects.create(account_id=batch.account_id, purpose=File.Purpose.BATCH_OUTPUT,
-                               filename=f"{batch.pk}_{kind}.jsonl", bytes=len(content), content=content,
-                               created_at=now)

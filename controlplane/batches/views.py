@@ -14,7 +14,7 @@ from controlplane.api import errors
 from controlplane.api.auth import require_account, require_permission
 from controlplane.api.body import parse, read_body
 from controlplane.api.http import api_view, ascii_int, json_response
-from controlplane.batches import results, services
+from controlplane.batches import file_services, results, services
 from controlplane.batches.schemas import BatchCreate
 from controlplane.usage import limits
 from controlplane.usage.services import check_account_limits
@@ -47,7 +47,7 @@ def files(request: HttpRequest, account_id: str | None = None) -> HttpResponse:
     if request.method == "GET":
         ctx = _ctx(request, account_id, ApiKey.Permission.READ)
         limit, after = _page_args(request)
-        rows, more = services.list_files(ctx.account_id, purpose=request.GET.get("purpose"), limit=limit,
+        rows, more = file_services.list_files(ctx.account_id, purpose=request.GET.get("purpose"), limit=limit,
                                          after=after)
         return json_response(_list([results.file_json(f) for f in rows], more))
     ctx = _ctx(request, account_id, ApiKey.Permission.RUN)
@@ -70,7 +70,7 @@ def files(request: HttpRequest, account_id: str | None = None) -> HttpResponse:
                 3600 <= seconds <= 30 * 86400):
             raise errors.invalid("expires_after: anchor created_at and 3600 to 2592000 seconds", "expires_after")
         expires = seconds
-    created = services.create_file(ctx, purpose=form.get("purpose", ""), filename=upload.name or "input.jsonl",
+    created = file_services.create_file(ctx, purpose=form.get("purpose", ""), filename=upload.name or "input.jsonl",
                                    content=upload.read(), expires_after_seconds=expires)
     return json_response(results.file_json(created))
 
@@ -79,16 +79,16 @@ def files(request: HttpRequest, account_id: str | None = None) -> HttpResponse:
 def file_detail(request: HttpRequest, file_id: str, account_id: str | None = None) -> HttpResponse:
     if request.method == "DELETE":
         ctx = _ctx(request, account_id, ApiKey.Permission.RUN)
-        services.delete_file(ctx.account_id, file_id)
+        file_services.delete_file(ctx.account_id, file_id)
         return json_response({"id": file_id, "object": "file", "deleted": True})
     ctx = _ctx(request, account_id, ApiKey.Permission.READ)
-    return json_response(results.file_json(services.get_file(ctx.account_id, file_id)))
+    return json_response(results.file_json(file_services.get_file(ctx.account_id, file_id)))
 
 
 @api_view("openai", ("GET",))
 def file_content(request: HttpRequest, file_id: str, account_id: str | None = None) -> HttpResponse:
     ctx = _ctx(request, account_id, ApiKey.Permission.READ)
-    found, content = services.file_content(ctx.account_id, file_id)
+    found, content = file_services.file_content(ctx.account_id, file_id)
     response = HttpResponse(content, content_type="application/jsonl")
     response["Content-Disposition"] = f'attachment; filename="{found.filename}"'
     return response

@@ -1,8 +1,8 @@
 """The dashboard's Batches page: the account's batches, newest first, with progress that moves live (batches.js
 listens on ws/dashboard/<account>/batches, see batch_consumers.py), cancel, and downloads of results.
 
-Everything goes through controlplane.batches.services, the same functions the OpenAI and Workers AI batch routes
-call, so the page can never show or do something the API would not."""
+Everything goes through controlplane.batches.services and file_services, the same functions the OpenAI and Workers
+AI batch routes call, so the page can never show or do something the API would not."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from controlplane.accounts.models import Account
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import dumps, envelope
-from controlplane.batches import results, services
+from controlplane.batches import file_services, results, services
 from controlplane.batches.events import STATUS_RANK
 from controlplane.batches.models import Batch
 from controlplane.dashboard.access import account_or_404
@@ -150,7 +150,7 @@ def _result(account_id: str, batch_id: str, kind: str) -> tuple[str, bytes, str]
         if file_id is None:
             raise errors.not_found(f"{batch_id} has no {kind} file" + (
                 "" if batch.results_purged_at is None else ": it was removed after the retention period"))
-        found, content = services.file_content(account_id, file_id)
+        found, content = file_services.file_content(account_id, file_id)
         return found.filename, content, "application/jsonl"
     if batch.results_purged_at is not None:
         raise errors.not_found(f"The results of {batch_id} were removed after the retention period")

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import Membership
 from controlplane.accounts.services import authenticate_key
-from controlplane.batches import maintenance, services
+from controlplane.batches import file_services, maintenance, services
 from controlplane.batches.models import Batch, Item
 
 PAGE = "/dashboard/{}/batches/"
@@ -51,7 +51,7 @@ def chat_line(custom_id: str) -> str:
 def openai_batch(tenant, lines: list[str]) -> Batch:
     """Uploaded, created and read into items, as the API and the prepare task do."""
     ctx = authenticate_key(tenant.secret)
-    upload = services.create_file(ctx, purpose="batch", filename="in.jsonl", content="\n".join(lines).encode())
+    upload = file_services.create_file(ctx, purpose="batch", filename="in.jsonl", content="\n".join(lines).encode())
     batch = services.create_openai_batch(ctx, input_file_id=upload.pk, endpoint="/v1/chat/completions",
                                          completion_window="24h")
     services.prepare(batch.pk)
@@ -231,7 +231,7 @@ def test_openai_output_and_error_files_download_as_the_files_api_serves_them(ten
     lines = [json.loads(x) for x in output.content.splitlines()]
     assert [(x["custom_id"], x["response"]["body"]) for x in lines] == [
         ("a", {"response": "answer 0"}), ("b", {"response": "answer 2"})]
-    _, stored = services.file_content(tenant.account.pk, batch.output_file_id)
+    _, stored = file_services.file_content(tenant.account.pk, batch.output_file_id)
     assert output.content == stored
     failed = [json.loads(x) for x in web.get(f"{url}{batch.pk}/download/errors/").content.splitlines()]
     assert len(failed) == 1 and failed[0]["error"]["code"] == "invalid_json"
