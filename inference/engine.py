@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +17,7 @@ from inference.config import EngineConfig
 from inference.constrained.constraint import Constraint
 from inference.constrained.decoding import ConstrainedDecoding
 from inference.constrained.state import GrammarStep
+from inference.counters import EngineCounters
 from inference.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from inference.errors import InvalidRequestError, PromptTooLongError
 from inference.kv_cache import KVLayout, KVPool
@@ -104,17 +104,7 @@ class LLMEngine:
                                   max_batch=self.config.spec_max_batch))
         self._sequences: dict[str, Sequence] = {}
         self._finished_outputs: list[RequestOutput] = []
-        # Counters for metrics.
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._finished_total = 0
-        self._preemptions_total = 0
-        self._ttft_sum = 0.0
-        self._ttft_count = 0
-        self._tpot_sum = 0.0
-        self._tpot_count = 0
-        self._recent: deque[float] = deque()  # when each recent token came out (tokens/s over 10 s)
-        self._mid_step_admissions_total = 0
+        self.counters = EngineCounters()
         # A front end that hears of requests while a step runs (AsyncEngine): between the layers of each pass
         # the engine asks it for interactive arrivals and starts them at once (see _admit_arrivals).
         self.front: FrontEnd | None = None
@@ -206,7 +196,7 @@ class LLMEngine:
         self.spec.propose([s for s in decoding if not s.draft], self.token_limit, load=self.scheduler.num_unfinished)
         self.constrained.check_drafts(decoding)  # no pass on draft tokens the grammar refuses
         plan = self.scheduler.schedule()
-        self._preemptions_total += len(plan.preempted)
+        self.counters.preemptions += len(plan.preempted)
         if not plan:
             return outputs
         now = time.monotonic()
@@ -308,7 +298,7 @@ class LLMEngine:
         plan = self.scheduler.schedule_arrivals()
         if not plan:
             return
-        self._mid_step_admissions_total += len(plan.chunks)
+        self.counters.mid_step_admissions += len(plan.chunks)
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -358,11 +348,10 @@ class LLMEngine:
         now = time.monotonic()
         token_id = int(token.token_id)
         seq.output_token_ids.append(token_id)
-        self._generation_tokens_total += 1
-        self._recent.append(now)
-        if seq.metrics.first_token_time is None:
+        first = seq.metrics.first_token_time is None
+        if first:
             seq.metrics.first_token_time = now
-            self._prompt_tokens_total += seq.prompt_len
+        self.counters.token(now, seq.prompt_len if first else None)
         params = seq.params
         if params.logprobs is not None:
             seq.logprobs.append(self._logprob(token_id, token))
@@ -407,15 +396,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.spec.release(seq)
         self._sequences.pop(seq.request_id, None)
-        self._finished_total += 1
-        ttft = seq.metrics.ttft_s
-        if ttft is not None:
-            self._ttft_sum += ttft
-            self._ttft_count += 1
-        tpot = seq.metrics.time_per_output_token_s(len(seq.output_token_ids))
-        if tpot is not None:
-            self._tpot_sum += tpot
-            self._tpot_count += 1
+        self.counters.request_finished(seq.metrics.ttft_s,
+                                       seq.metrics.time_per_output_token_s(len(seq.output_token_ids)))
 
     def _output(self, seq: Sequence, delta_text: str = "") -> RequestOutput:
         new_ids = seq.output_token_ids[seq.emitted_tokens:]
@@ -490,11 +472,6 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- metrics
     def metrics(self) -> EngineMetrics:
-        now = time.monotonic()
-        while self._recent and self._recent[0] < now - 10.0:
-            self._recent.popleft()
-        window = (now - self._recent[0]) if self._recent else 0.0
-        recent_tokens = len(self._recent)
         total, free = self.blocks.num_blocks, self.blocks.num_free_blocks
         spec = self.spec.stats.as_dict()
         return EngineMetrics(
@@ -506,13 +483,6 @@ class LLMEngine:
             kv_usage=(total - free) / total if total else 0.0,
             prefix_cache_hit_rate=self.blocks.hit_rate,
             prefix_cache_hit_tokens=self.blocks.hit_tokens,
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
-            requests_finished_total=self._finished_total,
-            preemptions_total=self._preemptions_total,
-            ttft_s_avg=self._ttft_sum / self._ttft_count if self._ttft_count else None,
-            tpot_s_avg=self._tpot_sum / self._tpot_count if self._tpot_count else None,
-            tokens_per_s=recent_tokens / window if window > 0 else 0.0,
             spec_proposed=spec["proposed"],
             spec_accepted=spec["accepted"],
             spec_acceptance_rate=spec["acceptance_rate"],
@@ -521,15 +491,7 @@ class LLMEngine:
             kv_compressions_total=self.compressor.stats.compressions,
             kv_evicted_entries_total=self.compressor.stats.evicted_entries,
             kv_freed_blocks_total=self.compressor.stats.freed_blocks,
-            mid_step_admissions_total=self._mid_step_admissions_total,
-            **self._lora_metrics(),
+            **self.counters.metrics(time.monotonic()),
+            **(self.lora.metrics() if self.lora is not None else {}),
             **self.constrained.metrics(),
         )
-
-    def _lora_metrics(self) -> dict:
-        if self.lora is None:
-            return {}
-        stats = self.lora.stats
-        return {"lora_slots": self.lora.max_loras, "lora_resident": self.lora.resident,
-                "lora_disk_loads_total": stats.disk_loads, "lora_slot_loads_total": stats.slot_loads,
-                "lora_disk_load_ms_avg": stats.as_dict()["disk_load_ms_avg"]}

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -266,6 +267,12 @@ class LoRASlots:
     @property
     def resident(self) -> list[str]:
         return [slot.name for slot in self.slots if slot.name is not None]
+
+    def metrics(self) -> dict[str, Any]:
+        """The slots' `EngineMetrics` fields."""
+        return {"lora_slots": self.max_loras, "lora_resident": self.resident,
+                "lora_disk_loads_total": self.stats.disk_loads, "lora_slot_loads_total": self.stats.slot_loads,
+                "lora_disk_load_ms_avg": self.stats.as_dict()["disk_load_ms_avg"]}
 
     # ----------------------------------------------------------------- per step
     def batch(self, row_slots: np.ndarray) -> LoRABatch | None:
