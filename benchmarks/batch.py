@@ -220,6 +220,7 @@ def run(quick: bool = False, items: int | None = None, max_tokens: int | None = 
             "completed": sum(r["batch"]["completed"] for r in rounds),
             "failed": sum(r["batch"]["failed"] for r in rounds),
             "worker_threads": settings.HEARTH_BATCH_CONCURRENCY, "engine_batch_cap": settings.HEARTH_BATCH_ENGINE_SEQS,
+            "run_items": getattr(settings, "HEARTH_BATCH_RUN_ITEMS", 1),
             "throughput_ratio": statistics.median(r["throughput_ratio"] for r in rounds),
             "ttft_idle_ms": statistics.median(ttft_idle) * 1000,
             "ttft_during_ms": statistics.median(during) * 1000 if during else None,
@@ -241,7 +242,8 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join([
         f"`{r['model']}`: {r['repeats']} times, the engine alone on {r['items']} requests ({r['max_tokens']} output "
         f"tokens at most, greedy), then a Workers AI queueRequest of {r['items']} other requests of the same shape "
-        f"through the API and the embedded Celery worker ({r['worker_threads']} threads, engine cap "
+        f"through the API and the embedded Celery worker ({r['worker_threads']} threads, runs of up to "
+        f"{r.get('run_items', 1)} items a message, engine cap "
         f"{r['engine_batch_cap']} BATCH sequences); {r['completed']} items completed, {r['failed']} failed. "
         f"Interactive probes: streaming POST /ai/run from a client process of their own, {PROBE_TOKENS} tokens, "
         "one at a time "

@@ -284,9 +284,14 @@ HEARTH_METRICS_TOKEN = os.environ.get("HEARTH_METRICS_TOKEN", "")
 # engine with interactive traffic at the lower priority class; `off`: run `celery -A controlplane worker -B`.
 HEARTH_BATCH_WORKER = os.environ.get("HEARTH_BATCH_WORKER", "inprocess" if HEARTH_ENGINE == "inprocess" else "off")
 HEARTH_BATCH_BEAT = env_bool("HEARTH_BATCH_BEAT", True)  # the in-process worker also runs the periodic tasks
-# Items one worker process runs at once (thread pool) and the most a single batch has dispatched at once.
-HEARTH_BATCH_CONCURRENCY = env_int("HEARTH_BATCH_CONCURRENCY", 80)
+# Runs of items (messages, below) one worker process works on at once (its thread pool; each thread mostly
+# waits on the engine), and the most items a single batch has dispatched at once.
+HEARTH_BATCH_CONCURRENCY = env_int("HEARTH_BATCH_CONCURRENCY", 24)
 HEARTH_BATCH_WINDOW = env_int("HEARTH_BATCH_WINDOW", 80)
+# Items one broker message carries: a worker thread claims them in one statement, runs them on the engine
+# together and stores those that finish together in one transaction (per item, that bookkeeping was most of the
+# worker's CPU, which the embedded worker takes from the engine's steps).
+HEARTH_BATCH_RUN_ITEMS = env_int("HEARTH_BATCH_RUN_ITEMS", 8)
 # The engine-side cap on BATCH-priority sequences running at once (EngineConfig.max_batch_class_seqs) for
 # models whose catalog engine settings do not set one; the other slots (8 of the default 64) stay free for
 # interactive requests, whose prompts also hold batch decoding for a step (docs/architecture.md). A step costs

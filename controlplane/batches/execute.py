@@ -1,26 +1,28 @@
-"""Running one claimed item on the backend at the BATCH priority class, with its lease kept alive.
+"""Running a claimed run of items on the backend at the BATCH priority class, with their leases kept alive.
 
-The task thread stays synchronous (claims, renewals and the result write are plain ORM calls); the engine
-work runs as a coroutine on one event loop per process shared by every batch item, so a worker with 40
-threads costs one loop, not 40.
+The task thread stays synchronous (claims, renewals and the result writes are plain database calls); the engine
+work runs as coroutines on one event loop per process shared by every batch item, so a worker with 24 threads
+costs one loop, not 24.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.utils import timezone
 
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
+from controlplane.batches.item_services import Claim, Outcome, finish_run, renew_run
 from controlplane.batches.models import Batch, Item
-from controlplane.batches.services import Claim, Outcome, error_json, renew
+from controlplane.batches.services import error_json
 from controlplane.batches.validation import check_native_body, check_openai_body
 from controlplane.catalog.services import get_model
 from controlplane.serving import pipeline
@@ -34,13 +36,11 @@ from controlplane.usage.services import UsageRecord
 from inference import Priority
 from inference.errors import EngineDeadError, EngineError, EngineOverloadedError
 
+log = logging.getLogger("controlplane.batches")
+
 
 class Busy(Exception):
     """The platform cannot take the item now (engine queue full, engine restarting): retry later."""
-
-
-class LeaseLost(Exception):
-    """Another worker took the item over; this one's work is void."""
 
 
 @dataclass(slots=True)
@@ -84,31 +84,111 @@ def batch_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def run_claimed(claim: Claim, item: Item, batch: Batch, *, idle: Callable[[], None] | None = None) -> Outcome:
-    """Run the item to its outcome, renewing the lease every third of it. Raises Busy (give it back and retry)
-    or LeaseLost; a batch cancelled or expired meanwhile stops the work (outcome `cancelled`). `idle` is called
-    each time this thread starts waiting on the engine (the caller gives back what it need not hold meanwhile)."""
-    checked = plan(item, batch)
-    if isinstance(checked, Outcome):
-        return checked
-    future = asyncio.run_coroutine_threadsafe(_run(checked), batch_loop())
+@dataclass(slots=True)
+class Report:
+    """How a run of items ended on this worker: results stored, claims lost to another worker, and claims to
+    give back and retry (the engine was busy; or an unexpected error of our own, which counts as an attempt)."""
+
+    stored: int = 0
+    lost: int = 0
+    busy: list[Claim] = field(default_factory=list)
+    busy_reason: str = ""
+    broken: list[Claim] = field(default_factory=list)
+
+
+# Once one item of a run finishes, the others of the run often finish a step or two later (they went in
+# together): waiting this long for them stores them in one transaction instead of one each.
+GATHER_S = 0.1
+
+
+def run_run(taken: list[tuple[Claim, Item]], *, idle: Callable[[], None] | None = None) -> Report:
+    """Run claimed items on the engine together, storing results as they finish (those finishing within
+    GATHER_S of each other in one transaction) and renewing the leases of those still running every third of
+    the lease. An item whose lease another worker took is dropped (its work is void); one whose batch was
+    cancelled or expired meanwhile stops (outcome `cancelled`). `idle` is called each time this thread starts
+    waiting on the engine (the caller gives back what it need not hold meanwhile)."""
+    report = Report()
+    ready: list[tuple[Claim, Outcome]] = []
+    running: dict[concurrent.futures.Future[Outcome], Claim] = {}
+    for claim, item in taken:
+        checked = plan(item, claim.batch)
+        if isinstance(checked, Outcome):
+            ready.append((claim, checked))
+        else:
+            running[asyncio.run_coroutine_threadsafe(_run(checked), batch_loop())] = claim
     every = max(0.2, settings.HEARTH_BATCH_LEASE_SECONDS / 3)
-    while True:
-        if idle is not None:
-            idle()
-        try:
-            return future.result(timeout=every)
-        except concurrent.futures.TimeoutError:
-            state = renew(claim)
-            if state == "ok":
-                continue
-            future.cancel()  # aborts the engine request
-            if state == "lost":
-                raise LeaseLost() from None
-            return Outcome(Item.Status.CANCELLED, error={
-                "status": 400, "openai_status": 400, "code": errors.CODE_INVALID_INPUT,
-                "openai_code": "batch_cancelled", "message": "The batch was stopped while this request ran",
-                "param": None})
+    renew_at = time.monotonic() + every
+    pending = set(running)
+    try:
+        while True:
+            if ready:
+                stored = finish_run(ready)
+                report.stored += sum(stored)
+                report.lost += len(stored) - sum(stored)
+                ready = []
+                # The counts read back say whether a batch is being stopped: the rest of its items stop now.
+                for future in [f for f in pending if _stopping(running[f].batch)]:
+                    future.cancel()  # aborts the engine request
+                    pending.discard(future)
+                    ready.append((running[future], _stopped()))
+                if ready:
+                    continue
+            if not pending:
+                return report
+            if idle is not None:
+                idle()
+            done, pending = concurrent.futures.wait(pending, timeout=max(0.0, renew_at - time.monotonic()),
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            if done and pending:
+                more, pending = concurrent.futures.wait(pending, timeout=GATHER_S)
+                done |= more
+            for future in done:
+                _collect(future, running[future], ready, report)
+            if pending and time.monotonic() >= renew_at:
+                _renew(pending, running, ready, report)
+                renew_at = time.monotonic() + every
+    finally:
+        for future in pending:
+            future.cancel()  # aborts the engine request: this thread is leaving (an error storing results)
+
+
+def _collect(future: concurrent.futures.Future[Outcome], claim: Claim, ready: list[tuple[Claim, Outcome]],
+             report: Report) -> None:
+    try:
+        ready.append((claim, future.result()))
+    except Busy as exc:
+        report.busy.append(claim)
+        report.busy_reason = str(exc)
+    except Exception:
+        # A bug or an outage of our own: the item is given back (counted as an attempt) and tried again later.
+        log.exception("batch item %s failed unexpectedly", claim.item_id)
+        report.broken.append(claim)
+
+
+def _renew(pending: set[concurrent.futures.Future[Outcome]], running: dict[concurrent.futures.Future[Outcome], Claim],
+           ready: list[tuple[Claim, Outcome]], report: Report) -> None:
+    states = renew_run([running[future] for future in pending])
+    for future in list(pending):
+        claim = running[future]
+        state = states[claim.item_id]
+        if state == "ok":
+            continue
+        future.cancel()  # aborts the engine request
+        pending.discard(future)
+        if state == "lost":
+            report.lost += 1
+        else:
+            ready.append((claim, _stopped()))
+
+
+def _stopping(batch: Batch) -> bool:
+    return batch.cancelling_at is not None or batch.expired_at is not None
+
+
+def _stopped() -> Outcome:
+    return Outcome(Item.Status.CANCELLED, error={
+        "status": 400, "openai_status": 400, "code": errors.CODE_INVALID_INPUT, "openai_code": "batch_cancelled",
+        "message": "The batch was stopped while this request ran", "param": None})
 
 
 async def _run(p: Plan) -> Outcome:

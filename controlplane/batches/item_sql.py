@@ -1,5 +1,5 @@
 """The statements every batch item runs, its claim, the read of what it took, and its result (with its batch's
-count), as SQL built once per process.
+counts), as SQL built once per process (once per run length for the statements that take a run of items).
 
 The embedded worker shares its process, and so the interpreter lock and the cores, with the engine whose steps
 it feeds: each millisecond an item's bookkeeping spends in Python is taken from the engine's steps (measured: a
@@ -24,9 +24,10 @@ from django.db.models.expressions import Col
 
 from controlplane.batches.models import Batch, Item
 
-# The counts a finished item changes, and what the worker reads back after changing one of them.
+# The counts a finished item changes, and what the worker reads back after changing them (whether the batch is
+# being stopped too: the rest of a run stops then, not at its next lease renewal).
 COUNTERS = ("completed_count", "failed_count", "cancelled_count")
-_READ_BACK = ("status", "total_count", "dispatched_count", *COUNTERS)
+_READ_BACK = ("status", "total_count", "dispatched_count", *COUNTERS, "cancelling_at", "expired_at")
 
 
 def _column(model: type[Model], name: str) -> str:
@@ -42,28 +43,33 @@ def _prep(model: type[Model], name: str, value: Any) -> Any:
     return field.get_db_prep_save(value, connection)
 
 
-@functools.cache
-def _claim_sql() -> str:
+@functools.lru_cache(maxsize=64)  # one per run length
+def _claim_sql(count: int) -> str:
     c = functools.partial(_column, Item)
     b = functools.partial(_column, Batch)
     terminal = ", ".join(["%s"] * len(Batch.TERMINAL))
+    ids = ", ".join(["%s"] * count)
     return (f"UPDATE {_table(Item)} SET {c('status')} = %s, {c('claim_token')} = %s, {c('lease_until')} = %s, "
             f"{c('attempts')} = {c('attempts')} + 1, {c('started_at')} = COALESCE({c('started_at')}, %s) "
-            f"WHERE {c('id')} = %s AND {c('attempts')} < %s "
+            f"WHERE {c('id')} IN ({ids}) AND {c('attempts')} < %s "
             f"AND ({c('status')} = %s OR ({c('status')} = %s AND {c('lease_until')} <= %s)) "
             f"AND {c('batch')} IN (SELECT {b('id')} FROM {_table(Batch)} WHERE {b('cancelling_at')} IS NULL "
-            f"AND {b('expired_at')} IS NULL AND NOT ({b('status')} IN ({terminal})))")
+            f"AND {b('expired_at')} IS NULL AND NOT ({b('status')} IN ({terminal}))) "
+            f"RETURNING {c('id')}")
 
 
-def take(item_id: int, token: str, now: datetime, lease_until: datetime, max_attempts: int) -> bool:
-    """Mark the item running under this claim: a queued item, or a running one whose lease ran out, with
-    attempts left, of a batch still running. False when it took nothing."""
+def take(item_ids: list[int], token: str, now: datetime, lease_until: datetime, max_attempts: int) -> list[int]:
+    """Mark the items running under this claim, each that is queued, or running with its lease run out, with
+    attempts left, of a batch still running: one statement for a run of items. Returns the ids it took. Every
+    condition is on the item's own row, so PostgreSQL re-checks each after waiting for that row's lock."""
+    if not item_ids:
+        return []
     running, queued = Item.Status.RUNNING, Item.Status.QUEUED
     at, until = _prep(Item, "started_at", now), _prep(Item, "lease_until", lease_until)
-    params = [running, token, until, at, item_id, max_attempts, queued, running, at, *sorted(Batch.TERMINAL)]
+    params = [running, token, until, at, *item_ids, max_attempts, queued, running, at, *sorted(Batch.TERMINAL)]
     with connection.cursor() as cursor:
-        cursor.execute(_claim_sql(), params)
-        return cursor.rowcount > 0
+        cursor.execute(_claim_sql(len(item_ids)), params)
+        return sorted(row[0] for row in cursor.fetchall())
 
 
 @functools.cache
@@ -74,42 +80,58 @@ def _columns(model: type[Model]) -> tuple[Col, ...]:
 
 
 @functools.cache
-def _read_sql() -> str:
+def _named_columns(model: type[Model]) -> dict[str, Col]:
+    return {col.target.name: col for col in _columns(model)}
+
+
+@functools.lru_cache(maxsize=64)
+def _read_sql(count: int) -> str:
     def names(model: type[Model]) -> str:
         return ", ".join(f"{_table(model)}.{connection.ops.quote_name(col.target.column)}"
                          for col in _columns(model))
 
     return (f"SELECT {names(Item)}, {names(Batch)} FROM {_table(Item)} INNER JOIN {_table(Batch)} "
             f"ON {_table(Item)}.{_column(Item, 'batch')} = {_table(Batch)}.{_column(Batch, 'id')} "
-            f"WHERE {_table(Item)}.{_column(Item, 'id')} = %s")
+            f"WHERE {_table(Item)}.{_column(Item, 'id')} IN ({', '.join(['%s'] * count)}) "
+            f"ORDER BY {_table(Item)}.{_column(Item, 'id')}")
 
 
 def _instance(db: BaseDatabaseWrapper, model: type[Model], values: tuple[Any, ...]) -> Model:
     """A model instance from its columns as the database returned them, through the converters the ORM applies
     (the backend's, e.g. SQLite's text datetimes, then the field's own, e.g. JSON). db: this thread's connection
     itself, not the `connection` proxy, which looks the thread's up again at every attribute."""
-    converted = []
-    for col, value in zip(_columns(model), values, strict=True):
-        for convert in (*db.ops.get_db_converters(col), *col.get_db_converters(db)):
-            value = convert(value, col, db)
-        converted.append(value)
+    converted = [_convert(db, col, value) for col, value in zip(_columns(model), values, strict=True)]
     return model.from_db(db.alias, [f.attname for f in model._meta.concrete_fields], converted)
 
 
-def read(item_id: int) -> Item | None:
-    """The item with its batch, what `Item.objects.select_related("batch").get(pk=item_id)` returns (None where
-    it does not exist): the read right after a claim, whose query the ORM compiled anew each time (about as
-    much CPU as the claim's UPDATE did)."""
+def _convert(db: BaseDatabaseWrapper, col: Col, value: Any) -> Any:
+    for convert in (*db.ops.get_db_converters(col), *col.get_db_converters(db)):
+        value = convert(value, col, db)
+    return value
+
+
+def read(item_ids: list[int]) -> list[Item]:
+    """The items that exist, by id, each with its batch joined, as `Item.objects.select_related("batch")`
+    returns them (the read right after a claim, whose query the ORM compiled anew each time: about as much CPU
+    as the claim's UPDATE). Items of one batch share one Batch instance, so counting one item's result
+    refreshes the counts every item of the run sees."""
+    if not item_ids:
+        return []
     db = connections[DEFAULT_DB_ALIAS]
     with db.cursor() as cursor:
-        cursor.execute(_read_sql(), [item_id])
-        row = cursor.fetchone()
-    if row is None:
-        return None
+        cursor.execute(_read_sql(len(item_ids)), list(item_ids))
+        rows = cursor.fetchall()
     split = len(Item._meta.concrete_fields)
-    item = _instance(db, Item, row[:split])
-    item.batch = _instance(db, Batch, row[split:])  # type: ignore[attr-defined]
-    return item  # type: ignore[return-value]
+    batches: dict[Any, Batch] = {}
+    items = []
+    for row in rows:
+        item = _instance(db, Item, row[:split])
+        batch = batches.get(item.batch_id)  # type: ignore[attr-defined]
+        if batch is None:
+            batch = batches[item.batch_id] = _instance(db, Batch, row[split:])  # type: ignore[attr-defined, assignment]
+        item.batch = batch  # type: ignore[attr-defined]
+        items.append(item)
+    return items  # type: ignore[return-value]
 
 
 _RESULT_FIELDS = ("status", "response", "error", "finished_at", "lease_until", "input_tokens",
@@ -133,21 +155,25 @@ def store_result(item_id: int, token: str, values: dict[str, Any]) -> bool:
 
 
 @functools.cache
-def _count_sql(counter: str) -> str:
+def _count_sql() -> str:
     c = functools.partial(_column, Batch)
-    return (f"UPDATE {_table(Batch)} SET {c(counter)} = {c(counter)} + 1 WHERE {c('id')} = %s "
-            f"RETURNING {', '.join(map(c, _READ_BACK))}")
+    adds = ", ".join(f"{c(name)} = {c(name)} + %s" for name in COUNTERS)
+    return f"UPDATE {_table(Batch)} SET {adds} WHERE {c('id')} = %s RETURNING {', '.join(map(c, _READ_BACK))}"
 
 
-def count_finished(batch: Batch, counter: str) -> None:
-    """Add one to the batch's counter and refresh `batch`'s status and counts from the row as written (under
-    the row lock the update took, so the last of several finishers sees every count)."""
-    if counter not in COUNTERS:
-        raise ValueError(f"not a batch item counter: {counter}")
-    with connection.cursor() as cursor:
-        cursor.execute(_count_sql(counter), [batch.pk])
+def count_finished(batch: Batch, added: dict[str, int]) -> None:
+    """Add to the batch's counters (added: counter name -> items finished) and refresh `batch`'s status and
+    counts from the row as written (under the row lock the update took, so the last of several finishers sees
+    every count)."""
+    unknown = set(added) - set(COUNTERS)
+    if unknown:
+        raise ValueError(f"not a batch item counter: {', '.join(sorted(unknown))}")
+    db = connections[DEFAULT_DB_ALIAS]
+    with db.cursor() as cursor:
+        cursor.execute(_count_sql(), [*(added.get(name, 0) for name in COUNTERS), batch.pk])
         row = cursor.fetchone()
     if row is None:
         raise Batch.DoesNotExist(batch.pk)
+    columns = _named_columns(Batch)
     for name, value in zip(_READ_BACK, row, strict=True):
-        setattr(batch, name, value)
+        setattr(batch, name, _convert(db, columns[name], value))

@@ -1,7 +1,8 @@
-"""Every write to batches and their items (files: controlplane.batches.file_services). Views and tasks call these; nothing
-else writes these tables.
+"""Every write to batches and their items (files: controlplane.batches.file_services; an item's claim, lease and
+result on the worker: controlplane.batches.item_services). Views and tasks call these; nothing else writes these
+tables.
 
-Item rows are the source of truth; broker messages only say "look at item N". A message may be lost (the
+Item rows are the source of truth; broker messages only say "look at items N, M...". A message may be lost (the
 sweep sends it again) or delivered twice (the claim turns the second one away), so neither changes what ends
 up stored: exactly one result per item.
 """
@@ -9,28 +10,24 @@ up stored: exactly one result per item.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from controlplane.accounts.services import KeyContext
 from controlplane.api import errors
 from controlplane.api.errors import ApiError
 from controlplane.api.http import ascii_int
-from controlplane.batches import events, item_sql
+from controlplane.batches import events
 from controlplane.batches.file_services import page, result_file
 from controlplane.batches.models import Batch, File, Item
 from controlplane.batches.validation import ItemError, check_line
-from controlplane.catalog.services import get_model
 from controlplane.serving.protocol import OPENAI_BATCH_PATHS
-from controlplane.usage.services import UsageRecord, record
 
 log = logging.getLogger("controlplane.batches")
 Status = Batch.Status
@@ -161,15 +158,18 @@ def send_prepare(batch_ids: Iterable[str]) -> None:
 
 
 def send_items(item_ids: list[int]) -> None:
+    """Send the items to the workers, a message for each run of up to HEARTH_BATCH_RUN_ITEMS of them (a worker
+    claims, runs and stores a run together: item_services)."""
     if not item_ids:
         return
-    from controlplane.batches.tasks import run_item
+    from controlplane.batches.tasks import run_items
     from controlplane.celery import app
 
+    size = max(1, settings.HEARTH_BATCH_RUN_ITEMS)
     try:
         with app.producer_or_acquire() as producer:
-            for item_id in item_ids:
-                run_item.apply_async((item_id,), producer=producer)
+            for start in range(0, len(item_ids), size):
+                run_items.apply_async((item_ids[start:start + size],), producer=producer)
     except Exception:  # the sweep sends them again after HEARTH_BATCH_REDISPATCH_SECONDS
         log.exception("could not queue %d batch items", len(item_ids))
 
@@ -262,169 +262,6 @@ def dispatch(batch_id: str) -> list[int]:
             Batch.objects.filter(pk=batch_id).update(dispatched_count=F("dispatched_count") + len(ids))
             transaction.on_commit(lambda: send_items(ids))
     return ids
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    item_id: int
-    batch_id: str
-    token: str
-    batch: Batch  # the item's batch as read right after the claim; finish refreshes its counts
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimResult:
-    claim: Claim | None = None
-    wait_s: float | None = None  # another worker holds a live lease: look again after this long
-    item: Item | None = None  # the claimed item, its batch joined, read after the claim took
-
-
-def _takeable(now: datetime) -> Q:
-    """A queued item, or a running one whose holder's lease ran out (the holder died)."""
-    return Q(status=ItemStatus.QUEUED) | Q(status=ItemStatus.RUNNING, lease_until__lte=now)
-
-
-def claim(item_id: int) -> ClaimResult:
-    """Take an item for execution: a queued one, or a running one whose holder's lease ran out (the holder
-    died). A redelivered message for an item another worker is running waits for that lease instead of
-    dropping the item, so a holder that dies later still loses nothing.
-
-    The common case is one conditional UPDATE (then one read of what was taken); only when it takes nothing
-    is the item read to say why: done, leased by a live holder, batch stopped, or out of attempts."""
-    now = _now()
-    token = uuid.uuid4().hex
-    lease = now + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
-    if item_sql.take(item_id, token, now, lease, settings.HEARTH_BATCH_MAX_ATTEMPTS):
-        item = item_sql.read(item_id)
-        if item is None:  # deleted (its batch purged) between the two statements
-            return ClaimResult()
-        return ClaimResult(claim=Claim(item_id, item.batch_id, token, item.batch), item=item)
-    return _not_taken(item_id, now)
-
-
-def _not_taken(item_id: int, now: datetime) -> ClaimResult:
-    item = Item.objects.filter(pk=item_id).select_related("batch").only(
-        "status", "lease_until", "attempts", "batch__status", "batch__cancelling_at", "batch__expired_at").first()
-    if item is None or item.status in Item.DONE:
-        return ClaimResult()
-    batch = item.batch
-    stopped = batch.cancelling_at is not None or batch.expired_at is not None or batch.status in Batch.TERMINAL
-    live_lease = item.status == ItemStatus.RUNNING and item.lease_until is not None and item.lease_until > now
-    if live_lease:
-        return ClaimResult(wait_s=(item.lease_until - now).total_seconds())  # type: ignore[operator]
-    if stopped:
-        _close_stopped(item_id, batch, now)
-        return ClaimResult()
-    if item.attempts >= settings.HEARTH_BATCH_MAX_ATTEMPTS:
-        _close_broken(item_id, batch, now)
-        return ClaimResult()
-    # Takeable now but not a moment ago: its holder gave it back in between. Try again shortly.
-    return ClaimResult(wait_s=0.0)
-
-
-def _close_stopped(item_id: int, batch: Batch, now: datetime) -> None:
-    """An item of a cancelled or expired batch that never ran (or whose holder died) ends without running."""
-    expired = batch.expired_at is not None and batch.cancelling_at is None
-    status = ItemStatus.EXPIRED if expired else ItemStatus.CANCELLED
-    code = "batch_expired" if expired else "batch_cancelled"
-    message = ("The batch's completion window ended before this request ran" if expired
-               else "The batch was cancelled before this request ran")
-    error = {"status": 400, "openai_status": 400, "code": errors.CODE_INVALID_INPUT, "openai_code": code,
-             "message": message, "param": None}
-    with transaction.atomic():
-        closed = Item.objects.filter(_takeable(now), pk=item_id).update(
-            status=status, error=error, finished_at=now, lease_until=None, claim_token="")
-        if closed:
-            Batch.objects.filter(pk=batch.pk).update(cancelled_count=F("cancelled_count") + 1)
-    if closed:
-        finish_if_drained(batch.pk)
-
-
-def _close_broken(item_id: int, batch: Batch, now: datetime) -> None:
-    """An item whose runs kept dying (a worker crash each time, or an unexpected error) fails instead of
-    taking workers down forever."""
-    error = error_json(errors.internal(f"This request failed {settings.HEARTH_BATCH_MAX_ATTEMPTS} times without "
-                                       "an answer; it was given up"))
-    with transaction.atomic():
-        closed = Item.objects.filter(_takeable(now), pk=item_id).update(
-            status=ItemStatus.FAILED, error=error, finished_at=now, lease_until=None, claim_token="")
-        if closed:
-            Batch.objects.filter(pk=batch.pk).update(failed_count=F("failed_count") + 1)
-    if closed:
-        events.publish(Batch.objects.get(pk=batch.pk))
-        finish_if_drained(batch.pk)
-        dispatch(batch.pk)
-
-
-def renew(c: Claim) -> str:
-    """Extend a running item's lease: 'ok', 'lost' (another worker took it over) or 'stop' (the batch was
-    cancelled or expired: abandon the work)."""
-    lease = _now() + timedelta(seconds=settings.HEARTH_BATCH_LEASE_SECONDS)
-    if not Item.objects.filter(pk=c.item_id, status=ItemStatus.RUNNING, claim_token=c.token).update(
-            lease_until=lease):
-        return "lost"
-    batch = Batch.objects.filter(pk=c.batch_id).only("cancelling_at", "expired_at").first()
-    return "stop" if batch is None or batch.cancelling_at or batch.expired_at else "ok"
-
-
-def release(c: Claim, *, busy: bool = True) -> None:
-    """Give a claimed item back: it stays dispatched, its retry message is on its way. A busy platform does
-    not count as an attempt (a batch never fails for that); an unexpected error does."""
-    changes: dict[str, Any] = {"status": ItemStatus.QUEUED, "claim_token": "", "lease_until": None}
-    if busy:
-        changes["attempts"] = F("attempts") - 1
-    Item.objects.filter(pk=c.item_id, status=ItemStatus.RUNNING, claim_token=c.token).update(**changes)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What running an item produced. usage is None when nothing reached the engine (nothing to meter)."""
-
-    status: str  # an Item.Status: succeeded, failed, or cancelled (stopped mid-run)
-    response: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    usage: UsageRecord | None = None
-
-
-def finish(c: Claim, outcome: Outcome) -> bool:
-    """Store an item's result, count it and meter it, in one transaction, only while the claim is current: a
-    second delivery of the same item can never write a second result or a second usage event."""
-    now = _now()
-    usage = outcome.usage
-    counter = {ItemStatus.SUCCEEDED: "completed_count", ItemStatus.FAILED: "failed_count"}.get(
-        outcome.status, "cancelled_count")
-    batch = c.batch
-    with transaction.atomic():
-        written = item_sql.store_result(c.item_id, c.token, {
-            "status": outcome.status, "response": outcome.response, "error": outcome.error, "finished_at": now,
-            "lease_until": None, "input_tokens": usage.input_tokens if usage else 0,
-            "cached_input_tokens": usage.cached_input_tokens if usage else 0,
-            "output_tokens": usage.output_tokens if usage else 0})
-        if not written:
-            return False
-        item_sql.count_finished(batch, counter)
-        if usage is not None:
-            entry = get_model(usage.model)
-            # Priced as of the batch's arrival, like an interactive request's; the event lands when it ran.
-            price = entry.price_at(batch.created_at.timestamp()) if entry else None
-            record(usage, price)
-    events.publish(batch, throttle=True)
-    if batch.pending_count <= 0:
-        finish_if_drained(c.batch_id)
-    elif _refill_due(batch):
-        dispatch(c.batch_id)
-    return True
-
-
-def _refill_due(batch: Batch) -> bool:
-    """Whether the dispatch window has room for a chunk (an eighth of it). A dispatch is a locked transaction
-    and a count over the batch's items, per item the worker's largest cost, so the window is refilled in chunks
-    rather than one item at a time. The estimate never undercounts the room (items that failed before dispatch
-    count as done): the last of several finishers sees every count, so a due refill is never missed."""
-    if batch.dispatched_count >= batch.total_count:
-        return False  # everything has been sent once; lost messages are the sweep's
-    outstanding = batch.dispatched_count - (batch.completed_count + batch.failed_count + batch.cancelled_count)
-    return settings.HEARTH_BATCH_WINDOW - outstanding >= max(1, settings.HEARTH_BATCH_WINDOW // 8)
 
 
 def finish_if_drained(batch_id: str) -> None:

@@ -17,7 +17,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
-from controlplane.batches import execute, maintenance, services
+from controlplane.batches import execute, item_services, maintenance, services
 from controlplane.celery import app
 
 log = logging.getLogger("controlplane.batches")
@@ -100,31 +100,38 @@ def prepare_batch(batch_id: str) -> None:
     services.prepare(batch_id)
 
 
-@app.task(name="batches.run_item", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+@app.task(name="batches.run_items", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
           max_retries=None)
-def run_item(self, item_id: int) -> str:
-    result = services.claim(item_id)
-    if result.wait_s is not None:
-        # Someone holds a live lease on it. Look again once it could have lapsed: if the holder died, take it.
-        raise self.retry(countdown=min(result.wait_s + 0.5, MAX_BACKOFF_S), max_retries=None)
-    if result.claim is None:
-        return "done"
-    claim, item = result.claim, result.item
-    assert item is not None  # a claim comes with its item
-    try:
-        outcome = execute.run_claimed(claim, item, item.batch, idle=give_back_pooled_connection)
-    except execute.Busy as exc:
-        services.release(claim)
-        log.info("engine busy (%s); batch item %s retries", exc, item_id)
-        raise self.retry(countdown=backoff(self.request.retries), max_retries=None) from None
-    except execute.LeaseLost:
-        return "lost"
-    except Exception:
-        # A bug or an outage of our own: give the item back (counted as an attempt) and try again later.
-        log.exception("batch item %s failed unexpectedly", item_id)
-        services.release(claim, busy=False)
-        raise self.retry(countdown=backoff(self.request.retries), max_retries=None) from None
-    return "stored" if services.finish(claim, outcome) else "lost"
+def run_items(self, item_ids: list[int]) -> dict[str, int]:
+    """Claim a run of items, run them on the engine together and store their results (execute.run_run).
+    Items the engine could not take now, or that failed unexpectedly, are given back and retried with
+    backoff; items another worker holds are looked at again once their lease could have lapsed."""
+    run = item_services.claim_run([int(i) for i in item_ids])
+    report = execute.Report()
+    if run.taken:
+        report = execute.run_run(run.taken, idle=give_back_pooled_connection)
+    if report.busy:
+        log.info("engine busy (%s); %d batch items retry", report.busy_reason, len(report.busy))
+        item_services.release(report.busy)
+    if report.broken:
+        item_services.release(report.broken, busy=False)  # counted as an attempt
+    again = [c.item_id for c in (*report.busy, *report.broken)]
+    if run.later:
+        countdown = min(run.wait_s + 0.5, MAX_BACKOFF_S)
+        if again:  # two different waits: the held items get a message of their own
+            run_items.apply_async((run.later,), countdown=countdown)
+        else:
+            raise self.retry(args=(run.later,), countdown=countdown, max_retries=None)
+    if again:
+        raise self.retry(args=(again,), countdown=backoff(self.request.retries), max_retries=None)
+    return {"stored": report.stored, "lost": report.lost}
+
+
+@app.task(name="batches.run_item", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_item(item_id: int) -> None:
+    """One item, the message of earlier releases (still in a broker when the worker is upgraded): passed on as
+    a run of one."""
+    run_items.apply_async(([item_id],))
 
 
 @app.task(name="batches.sweep", ignore_result=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -53,7 +53,9 @@ class UsageRecord:
     created_at: datetime | None = None
 
 
-@functools.cache
+# A statement per rollup and set of delta columns: one request adds to one bucket of each histogram, a run of
+# them to several, so the sets are many but each recurs; the least used are dropped.
+@functools.lru_cache(maxsize=512)
 def _upsert_sql(model: type[Model], keys: tuple[str, ...], deltas: tuple[str, ...]) -> str:
     """INSERT ... ON CONFLICT DO UPDATE adding the deltas, built once per rollup model and field set."""
     meta = model._meta
@@ -97,6 +99,7 @@ def _bump(model: type[Model], lookup: dict[str, Any], deltas: dict[str, Any]) ->
     race-free on SQLite and PostgreSQL alike. Raw SQL because the ORM has no additive upsert, and building a
     dozen F() expressions per request costs more CPU than the query itself."""
     meta = model._meta
+    deltas = dict(sorted(deltas.items()))  # one statement per set of columns, whatever order they were added in
     names = (*lookup, *deltas)
     values = [meta.get_field(name).get_db_prep_save(value, connection)
               for name, value in zip(names, (*lookup.values(), *deltas.values()), strict=True)]
@@ -125,6 +128,41 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
     The price is the one in effect when the request arrived (looked up from the catalog when not given); a
     failed request is never billable whatever tokens it reports.
     """
+    return record_many([(rec, price)])[0]
+
+
+def record_many(entries: list[tuple[UsageRecord, PriceSnapshot | None]]) -> list[UsageEvent]:
+    """record() for several requests at once (a run of batch items finishing together): one event each, and
+    each rollup row they share bumped once with their summed deltas, in one transaction. The sums are what the
+    requests one by one would have added."""
+    events: list[UsageEvent] = []
+    minutes: dict[tuple[str, str, str, datetime], dict[str, Any]] = {}
+    days: dict[tuple[str, str, str, date], dict[str, Any]] = {}
+    for rec, price in entries:
+        event, deltas = _event(rec, price)
+        events.append(event)
+        utc = event.created_at.astimezone(UTC)
+        group = (rec.account_id, rec.model, rec.key_id or "")
+        _add(minutes, (*group, utc.replace(second=0, microsecond=0)), deltas)
+        _add(days, (*group, utc.date()), deltas)
+    # Inside a caller's transaction (a batch item's result) no savepoint of its own: a failure here fails both.
+    with transaction.atomic(savepoint=False):
+        for event in events:
+            _insert(event)
+        # Rows in one order in every transaction, so two writers never wait on each other's rows in a cycle.
+        for (account_id, model, key_id, minute), deltas in sorted(minutes.items()):
+            _bump(UsageMinute, {"account_id": account_id, "model": model, "key_id": key_id, "minute": minute},
+                  deltas)
+        for (account_id, model, key_id, day), deltas in sorted(days.items()):
+            _bump(UsageDay, {"account_id": account_id, "model": model, "key_id": key_id, "day": day}, deltas)
+        for account_id in sorted({event.account_id for event in events}):
+            transaction.on_commit(functools.partial(usage_recorded.send, sender=UsageEvent,
+                                                    account_id=account_id))
+    return events
+
+
+def _event(rec: UsageRecord, price: PriceSnapshot | None) -> tuple[UsageEvent, dict[str, Any]]:
+    """The event one request writes (unsaved) and what it adds to its rollup rows."""
     created = rec.created_at or timezone.now()
     if price is None:
         entry = get_model(rec.model)
@@ -135,34 +173,33 @@ def record(rec: UsageRecord, price: PriceSnapshot | None = None) -> UsageEvent:
     tokens_out = rec.output_tokens if billable else 0
     neurons, cost = charge(price if billable else None, tokens_in, tokens_cached, tokens_out,
                            batch=rec.source == Source.BATCH, adapter=bool(rec.adapter))
-    key_id = rec.key_id or ""
-    # Inside a caller's transaction (a batch item's result) no savepoint of its own: a failure here fails both.
-    with transaction.atomic(savepoint=False):
-        event = UsageEvent(
-            created_at=created, account_id=rec.account_id, api_key_id=rec.key_id, model=rec.model,
-            adapter=rec.adapter, request_id=rec.request_id[:64], route=rec.route, source=rec.source,
-            status=rec.status, http_status=rec.http_status, error_code=rec.error_code, stream=rec.stream,
-            input_tokens=tokens_in, cached_input_tokens=tokens_cached, output_tokens=tokens_out,
-            spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
-            neurons=neurons, cost_usd=cost, price_id=price.price_id if price and billable else None,
-            latency_ms=rec.latency_ms, ttft_ms=rec.ttft_ms, session_affinity=rec.session_affinity[:200],
-            replica=rec.replica[:64])
-        _insert(event)
-        deltas = {
-            "requests": 1, "errors": 0 if rec.status != Status.ERROR else 1,
-            "input_tokens": tokens_in, "cached_input_tokens": tokens_cached, "output_tokens": tokens_out,
-            "spec_proposed": rec.spec_proposed, "spec_accepted": rec.spec_accepted,
-            "neurons": neurons, "cost_usd": cost, "latency_ms_sum": rec.latency_ms,
-            "ttft_ms_sum": rec.ttft_ms or 0.0, "ttft_count": 1 if rec.ttft_ms is not None else 0,
-            **histogram.deltas(rec.latency_ms, rec.ttft_ms),
-        }
-        common = {"account_id": rec.account_id, "model": rec.model, "key_id": key_id}
-        utc = created.astimezone(UTC)
-        _bump(UsageMinute, {**common, "minute": utc.replace(second=0, microsecond=0)}, deltas)
-        _bump(UsageDay, {**common, "day": utc.date()}, deltas)
-        account_id = rec.account_id
-        transaction.on_commit(lambda: usage_recorded.send(sender=UsageEvent, account_id=account_id))
-    return event
+    event = UsageEvent(
+        created_at=created, account_id=rec.account_id, api_key_id=rec.key_id, model=rec.model,
+        adapter=rec.adapter, request_id=rec.request_id[:64], route=rec.route, source=rec.source,
+        status=rec.status, http_status=rec.http_status, error_code=rec.error_code, stream=rec.stream,
+        input_tokens=tokens_in, cached_input_tokens=tokens_cached, output_tokens=tokens_out,
+        spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
+        neurons=neurons, cost_usd=cost, price_id=price.price_id if price and billable else None,
+        latency_ms=rec.latency_ms, ttft_ms=rec.ttft_ms, session_affinity=rec.session_affinity[:200],
+        replica=rec.replica[:64])
+    deltas = {
+        "requests": 1, "errors": 0 if rec.status != Status.ERROR else 1,
+        "input_tokens": tokens_in, "cached_input_tokens": tokens_cached, "output_tokens": tokens_out,
+        "spec_proposed": rec.spec_proposed, "spec_accepted": rec.spec_accepted,
+        "neurons": neurons, "cost_usd": cost, "latency_ms_sum": rec.latency_ms,
+        "ttft_ms_sum": rec.ttft_ms or 0.0, "ttft_count": 1 if rec.ttft_ms is not None else 0,
+        **histogram.deltas(rec.latency_ms, rec.ttft_ms),
+    }
+    return event, deltas
+
+
+def _add(into: dict[Any, dict[str, Any]], key: Any, deltas: dict[str, Any]) -> None:
+    summed = into.get(key)
+    if summed is None:
+        into[key] = dict(deltas)
+        return
+    for name, value in deltas.items():
+        summed[name] = summed.get(name, 0) + value
 
 
 def neurons_used_on(account_id: str, day) -> Decimal:

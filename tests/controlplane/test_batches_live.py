@@ -69,7 +69,8 @@ def test_official_client_files_batches_and_content(live):
         client.batches.create(input_file_id=file_id, endpoint="/v1/moderations", completion_window="24h")
 
 
-def test_official_client_cancel(live):
+def test_official_client_cancel(live, settings):
+    settings.HEARTH_BATCH_RUN_ITEMS = 2  # the worker's 4 threads hold 8 items, so most are still unstarted
     client, _ = live
     file_id = upload(client, [line(f"r{i}", "Write a long story about the sea.") for i in range(24)])
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")

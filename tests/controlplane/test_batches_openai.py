@@ -200,7 +200,8 @@ def test_embeddings_and_completions_batches_and_listing(client, tenant, batch_wo
     assert mounted.status_code == 200 and mounted.json()["id"] == first["id"]
 
 
-def test_cancel_stops_unstarted_items_and_keeps_finished_results(client, tenant, batch_worker):
+def test_cancel_stops_unstarted_items_and_keeps_finished_results(client, tenant, settings, batch_worker):
+    settings.HEARTH_BATCH_RUN_ITEMS = 2  # the worker's 4 threads hold 8 items, so most are still unstarted
     rows = [chat_line(f"r{i}", "Write a long story about the sea.", max_tokens=48) for i in range(24)]
     batch = create(client, tenant, upload(client, tenant, jsonl(*rows)).json()["id"]).json()
     wait_for(client, tenant, batch["id"], statuses=("in_progress",))

@@ -19,7 +19,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from controlplane.accounts.services import authenticate_key
-from controlplane.batches import events, item_sql, maintenance, services, tasks
+from controlplane.batches import events, item_services, item_sql, maintenance, services, tasks
 from controlplane.batches.models import Batch, File, Item
 from controlplane.catalog.models import AiModel
 from controlplane.catalog.services import get_model, set_price
@@ -66,34 +66,34 @@ def wait_batch(batch_id: str, statuses=ALL, timeout: float = 120.0) -> Batch:
 def test_claims_are_exclusive_and_a_result_is_written_once(tenant):
     batch = native_batch(tenant, 2)
     first, second = Item.objects.filter(batch=batch).order_by("index")
-    a = services.claim(first.pk)
+    a = item_services.claim(first.pk)
     assert a.claim is not None and a.wait_s is None and (a.item.pk, a.item.batch.pk) == (first.pk, batch.pk)
     # A second delivery while the lease is live waits instead of running it again (or dropping it).
-    again = services.claim(first.pk)
+    again = item_services.claim(first.pk)
     assert again.claim is None and 0 < again.wait_s <= 60
     # The holder dies: its lease runs out and another worker takes the item over.
     Item.objects.filter(pk=first.pk).update(lease_until=timezone.now() - timedelta(seconds=1))
-    b = services.claim(first.pk)
+    b = item_services.claim(first.pk)
     assert b.claim is not None and b.claim.token != a.claim.token
     usage = UsageRecord(account_id=tenant.account.pk, key_id=str(tenant.key.pk), model=CHAT_MODEL,
                         route="native", source=Source.BATCH, input_tokens=5, output_tokens=2)
     # The old holder comes back with its answer: refused, nothing counted or metered.
-    stale = services.Outcome(Item.Status.SUCCEEDED, response={"response": "old"}, usage=usage)
-    assert services.finish(a.claim, stale) is False
-    fresh = services.Outcome(Item.Status.SUCCEEDED, response={"response": "new"}, usage=usage)
-    assert services.finish(b.claim, fresh) is True
-    assert services.finish(b.claim, fresh) is False  # and a replay of the winner's write too
+    stale = item_services.Outcome(Item.Status.SUCCEEDED, response={"response": "old"}, usage=usage)
+    assert item_services.finish(a.claim, stale) is False
+    fresh = item_services.Outcome(Item.Status.SUCCEEDED, response={"response": "new"}, usage=usage)
+    assert item_services.finish(b.claim, fresh) is True
+    assert item_services.finish(b.claim, fresh) is False  # and a replay of the winner's write too
     item = Item.objects.get(pk=first.pk)
     assert (item.status, item.response, item.attempts, item.output_tokens) == ("succeeded", {"response": "new"},
                                                                               2, 2)
     assert UsageEvent.objects.filter(source=Source.BATCH).count() == 1
-    assert services.claim(first.pk) == services.ClaimResult()  # done: nothing to run, nothing to wait for
+    assert item_services.claim(first.pk) == item_services.ClaimResult()  # done: nothing to run, nothing to wait for
     batch.refresh_from_db()
     assert (batch.completed_count, batch.pending_count, batch.status) == (1, 1, "in_progress")
     # A busy engine gives the item back without counting an attempt.
-    c = services.claim(second.pk).claim
-    services.release(c)
-    assert Item.objects.get(pk=second.pk).attempts == 0 and services.claim(second.pk).claim is not None
+    c = item_services.claim(second.pk).claim
+    item_services.release([c])
+    assert Item.objects.get(pk=second.pk).attempts == 0 and item_services.claim(second.pk).claim is not None
 
 
 def stored(instance) -> dict:
@@ -107,7 +107,7 @@ def test_a_claim_reads_its_item_and_batch_as_the_orm_does(tenant):
                                              errors=[{"code": "x"}], in_progress_at=timezone.now())
     first = Item.objects.filter(batch=batch).order_by("index").first()
     Item.objects.filter(pk=first.pk).update(custom_id=None, error={"message": "earlier"})
-    taken = services.claim(first.pk)
+    taken = item_services.claim(first.pk)
     orm = Item.objects.select_related("batch").get(pk=first.pk)
     # Every stored field of both rows, with the types the ORM gives (aware datetimes, decoded JSON, ints).
     assert stored(taken.item) == stored(orm) and stored(taken.item.batch) == stored(orm.batch)
@@ -115,17 +115,17 @@ def test_a_claim_reads_its_item_and_batch_as_the_orm_does(tenant):
     assert timezone.is_aware(taken.item.lease_until) and taken.item.body["prompt"].startswith("Quote «this»")
     assert taken.item.batch.metadata == {"team": "ops", "n": [1, 2.5, None]} and taken.claim.batch is taken.item.batch
     assert not taken.item._state.adding and taken.item._state.db == orm._state.db
-    assert item_sql.read(10**9) is None  # an item deleted between the claim's UPDATE and its read
+    assert item_sql.read([10**9]) == []  # an item deleted between the claim's UPDATE and its read
 
 
 @pytest.mark.django_db
 def test_a_finish_reads_back_every_count_and_a_stopping_batch_lends_no_item(tenant):
     batch = native_batch(tenant, 3)
     first, second, third = Item.objects.filter(batch=batch).order_by("index")
-    a, b = services.claim(first.pk).claim, services.claim(second.pk).claim
+    a, b = item_services.claim(first.pk).claim, item_services.claim(second.pk).claim
     # Another worker's count lands between this claim and its finish: the finish sees it.
-    assert services.finish(b, services.Outcome(Item.Status.FAILED, error={"message": "no"}))
-    assert services.finish(a, services.Outcome(Item.Status.SUCCEEDED, response={"response": "ok"}))
+    assert item_services.finish(b, item_services.Outcome(Item.Status.FAILED, error={"message": "no"}))
+    assert item_services.finish(a, item_services.Outcome(Item.Status.SUCCEEDED, response={"response": "ok"}))
     assert (a.batch.completed_count, a.batch.failed_count, a.batch.pending_count) == (1, 1, 1)
     item = Item.objects.get(pk=first.pk)
     assert (item.status, item.response, item.error, item.lease_until) == ("succeeded", {"response": "ok"}, None,
@@ -134,7 +134,7 @@ def test_a_finish_reads_back_every_count_and_a_stopping_batch_lends_no_item(tena
     assert Item.objects.get(pk=second.pk).error == {"message": "no"}
     # A batch being cancelled lends no more items (the claim's condition on the batch row): the item ends.
     Batch.objects.filter(pk=batch.pk).update(cancelling_at=timezone.now())
-    assert services.claim(third.pk) == services.ClaimResult()
+    assert item_services.claim(third.pk) == item_services.ClaimResult()
     assert Item.objects.get(pk=third.pk).status == "cancelled"
 
 
@@ -152,8 +152,8 @@ def test_the_dispatch_window_refills_in_chunks_and_every_item_is_sent_once(tenan
     done, outstanding = 0, []
     while (pending := Item.objects.filter(batch=batch, dispatched_at__isnull=False, status="queued")
            .order_by("index").first()) is not None:
-        claim = services.claim(pending.pk).claim
-        assert services.finish(claim, services.Outcome(Item.Status.SUCCEEDED, response={"response": "ok"}))
+        claim = item_services.claim(pending.pk).claim
+        assert item_services.finish(claim, item_services.Outcome(Item.Status.SUCCEEDED, response={"response": "ok"}))
         done += 1
         sent = len(dispatched())
         if sent < 40:
@@ -171,9 +171,9 @@ def test_an_item_that_keeps_dying_fails_after_max_attempts(tenant, settings):
     batch = native_batch(tenant, 1)
     item = Item.objects.get(batch=batch)
     for _ in range(2):
-        assert services.claim(item.pk).claim is not None
+        assert item_services.claim(item.pk).claim is not None
         Item.objects.filter(pk=item.pk).update(lease_until=timezone.now() - timedelta(seconds=1))
-    assert services.claim(item.pk) == services.ClaimResult()
+    assert item_services.claim(item.pk) == item_services.ClaimResult()
     item.refresh_from_db()
     assert item.status == "failed" and "2 times" in item.error["message"]
     assert Batch.objects.get(pk=batch.pk).status == "completed"
@@ -405,7 +405,7 @@ def test_busy_engine_means_retry_with_backoff_never_failure(tenant, batch_worker
     retries: list[str] = []
 
     def on_retry(sender=None, **kwargs):
-        if sender is not None and sender.name == "batches.run_item":
+        if sender is not None and sender.name == "batches.run_items":
             retries.append(str(kwargs.get("reason")))
 
     task_retry.connect(on_retry, weak=False)
@@ -487,7 +487,7 @@ def test_a_connection_kept_by_a_worker_thread_that_ended_is_closed():
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.real_model
 @pytest.mark.redis
-def test_worker_tasks_reuse_database_connections_and_replace_one_the_server_ended(tenant, batch_worker):
+def test_worker_tasks_reuse_database_connections_and_replace_one_the_server_ended(tenant, settings, batch_worker):
     from collections import Counter
 
     from django.db import connection
@@ -504,6 +504,7 @@ def test_worker_tasks_reuse_database_connections_and_replace_one_the_server_ende
     connection_created.connect(count, weak=False)
     try:
         # 12 items (and the batch's preparation) on 4 threads: with a connection per task some thread opens several.
+        settings.HEARTH_BATCH_RUN_ITEMS = 1  # a task an item
         done = wait_batch(native_batch(tenant, 12).pk)
         assert (done.status, done.completed_count, done.failed_count) == ("completed", 12, 0)
         if pool is None:  # each thread keeps the one it opened

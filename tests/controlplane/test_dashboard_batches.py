@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import Membership
 from controlplane.accounts.services import authenticate_key
-from controlplane.batches import file_services, maintenance, services
+from controlplane.batches import file_services, item_services, maintenance, services
 from controlplane.batches.models import Batch, Item
 
 PAGE = "/dashboard/{}/batches/"
@@ -62,15 +62,15 @@ def run_items(batch: Batch, count: int | None = None, *, fail: tuple[int, ...] =
     """Claim and finish the batch's next queued items as a worker does: answers for most, errors for `fail`."""
     queued = Item.objects.filter(batch=batch, status=Item.Status.QUEUED).order_by("index")
     for item in list(queued)[:count]:
-        taken = services.claim(item.pk)
+        taken = item_services.claim(item.pk)
         assert taken.claim is not None
         if item.index in fail:
-            outcome = services.Outcome(Item.Status.FAILED, error={
+            outcome = item_services.Outcome(Item.Status.FAILED, error={
                 "status": 400, "openai_status": 400, "code": 5006, "openai_code": "context_length_exceeded",
                 "message": "The prompt does not fit", "param": None})
         else:
-            outcome = services.Outcome(Item.Status.SUCCEEDED, response={"response": f"answer {item.index}"})
-        assert services.finish(taken.claim, outcome)
+            outcome = item_services.Outcome(Item.Status.SUCCEEDED, response={"response": f"answer {item.index}"})
+        assert item_services.finish(taken.claim, outcome)
     return Batch.objects.get(pk=batch.pk)
 
 

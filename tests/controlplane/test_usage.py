@@ -178,3 +178,44 @@ def test_concurrent_writers_of_a_new_rollup_row_lose_no_count(tenant):
     assert (minute.requests, minute.input_tokens, minute.output_tokens) == (60, 420, 180)
     assert (day.requests, day.input_tokens, day.output_tokens) == (60, 420, 180)
     assert UsageEvent.objects.filter(account_id=tenant.account.pk).count() == 60
+
+
+def test_record_many_writes_what_recording_one_by_one_writes(tenant):
+    """A run of requests recorded together (a batch's items finishing in one transaction) leaves the same events
+    and rollup rows as each recorded alone: random tokens, statuses, latencies, minutes and days, and keys."""
+    import random
+
+    from controlplane.usage.services import record_many
+
+    second = make_tenant("second")
+    rng = random.Random()
+    times = [DAY1, DAY1 + timedelta(seconds=20), DAY1 + timedelta(minutes=3), DAY2]
+
+    def records(account) -> list[UsageRecord]:
+        return [UsageRecord(
+            account_id=account.account.pk, key_id=rng.choice([str(account.key.pk), None]),
+            model=rng.choice([CHAT_MODEL, EMBED_MODEL]), route="native", source="batch",
+            status=rng.choice([Status.OK, Status.OK, Status.ERROR]), input_tokens=rng.randrange(1, 500),
+            cached_input_tokens=rng.randrange(0, 100), output_tokens=rng.randrange(0, 300),
+            latency_ms=rng.uniform(0.5, 90_000.0), ttft_ms=rng.choice([None, rng.uniform(0.5, 5_000.0)]),
+            created_at=rng.choice(times)) for _ in range(rng.randrange(20, 40))]
+
+    alone = records(tenant)
+    together = [UsageRecord(**{**{f: getattr(r, f) for f in r.__slots__}, "account_id": second.account.pk,
+                               "key_id": str(second.key.pk) if r.key_id else None}) for r in alone]
+    for r in alone:
+        record(r)
+    events = record_many([(r, None) for r in together])
+    assert [e.pk for e in events] and all(e.pk for e in events)
+
+    def rows(model, account) -> list[tuple]:
+        names = [f.attname for f in model._meta.concrete_fields if f.name not in ("id", "account", "key_id")]
+        return sorted((bool(row["key_id"]), *(row[n] for n in names))
+                      for row in model.objects.filter(account=account).values("key_id", *names))
+
+    for model in (UsageMinute, UsageDay):
+        assert len(rows(model, tenant.account)) > 4 and rows(model, tenant.account) == rows(model, second.account)
+    fields = ("model", "status", "input_tokens", "cached_input_tokens", "output_tokens", "neurons", "cost_usd",
+              "latency_ms", "ttft_ms", "created_at", "price_id")
+    assert (sorted(UsageEvent.objects.filter(account=tenant.account).values_list(*fields))
+            == sorted(UsageEvent.objects.filter(account=second.account).values_list(*fields)))
