@@ -14,6 +14,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane.accounts.models import Account, ApiKey
+from controlplane.batches.fields import BulkJSONField
 
 
 def new_file_id() -> str:
@@ -131,7 +132,8 @@ class Item(models.Model):
     claim_token = models.CharField(max_length=32, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)  # claims taken (a retry or a crash adds one)
-    response = models.JSONField(null=True, blank=True)  # the answer's body, as the interactive route renders it
+    # The answer's body, as the interactive route renders it (thousands of floats for embeddings: fields.py).
+    response = BulkJSONField(null=True, blank=True)
     # {"status", "code" (native), "openai_code", "message", "param"} when the item failed
     error = models.JSONField(null=True, blank=True)
     input_tokens = models.PositiveIntegerField(default=0)

@@ -97,4 +97,4 @@ def _native_poll(request: HttpRequest, account_id: str, raw: dict[str, Any],
         raise errors.not_found(f"The results of {request_id} were removed after the retention period")
     if batch.status not in batch.TERMINAL:
         return json_response(envelope(results.native_status(batch)))
-    return json_response(envelope(results.native_result(batch, services.items_of(batch))))
+    return json_response(envelope(results.native_result(batch, services.items_of(batch))), bulk=True)

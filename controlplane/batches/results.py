@@ -3,11 +3,11 @@ and the Workers AI poll answer."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
 
 from controlplane.api.errors import openai_error_type
+from controlplane.api.http import dumps_bulk
 from controlplane.batches.models import Batch, File, Item
 
 
@@ -41,7 +41,7 @@ def batch_json(batch: Batch) -> dict[str, Any]:
 
 
 def _line(data: dict[str, Any]) -> bytes:
-    return (json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+    return dumps_bulk(data) + b"\n"  # embedding answers: thousands of floats a line
 
 
 def output_lines(items: list[Item]) -> list[bytes]:

@@ -21,3 +21,13 @@ def test_bulk_answers_read_back_as_the_ordinary_json_does() -> None:
         bulk = dumps_bulk(answer)
         # Small numbers may be written in positional rather than exponent notation; each reads back bit for bit.
         assert json.loads(bulk) == json.loads(dumps(answer)) == answer
+
+
+def test_what_orjson_cannot_write_goes_through_json() -> None:
+    from decimal import Decimal
+
+    import pytest
+
+    assert json.loads(dumps_bulk({"n": 2**70, "big": [-(2**65)]})) == {"n": 2**70, "big": [-(2**65)]}
+    with pytest.raises(TypeError):  # neither writer takes a Decimal: json's own error
+        dumps_bulk({"price": Decimal("1.5")})
