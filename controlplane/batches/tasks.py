@@ -83,7 +83,7 @@ def _task_ends(**kwargs: Any) -> None:
 
 def give_back_pooled_connection() -> None:
     """While the engine works on an item, its thread needs no database session: a pooled one goes back to the
-    pool, so a worker's threads waiting on the engine do not hold a session each (80 by default)."""
+    pool, so a worker's threads waiting on the engine do not hold a session each (24 by default)."""
     connection = connections["default"]
     if (getattr(connection, "pool", None) is not None and connection.connection is not None
             and not connection.in_atomic_block):
