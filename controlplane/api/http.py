@@ -41,8 +41,8 @@ def dumps_bulk(data: Any) -> bytes:
     (small numbers may be written without an exponent). json's C encoder holds the GIL for the whole of one call:
     2,048 vectors took 0.4 s on a Zen 4 core (about a second on a busy VM), and for that long every other thread
     of the process, the engine's and the event loop's among them, stood still, even with the writing in a worker
-    thread. orjson writes them in 0.03 s. What orjson cannot write (a Decimal, an integer past 64 bits) goes
-    through json."""
+    thread. orjson writes them in 0.03 s. What orjson cannot write (an integer past 64 bits) goes through json,
+    which also raises the TypeError for what neither writes (a Decimal)."""
     try:
         return orjson.dumps(data)
     except TypeError:

@@ -7,7 +7,7 @@ step loop and the event loop among them, although a worker thread did the writin
 ten times faster, and values read back exactly as json's would (every float bit for bit). Unlike json it writes a
 non-finite float (NaN, an infinity) as null, which is valid JSON: json's NaN is refused by both databases (SQLite's
 JSON_VALID check, PostgreSQL's jsonb), so such an answer could not be stored at all. A value orjson cannot write (an
-integer past 64 bits) goes through the plain JSONField's json.
+integer past 64 bits) goes through json (`controlplane.api.http.dumps_bulk`, which writes both).
 """
 
 from __future__ import annotations
@@ -20,23 +20,21 @@ from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.fields.json import KeyTransform
 
+from controlplane.api.http import dumps_bulk
+
 
 class BulkJSONField(models.JSONField):
     def get_db_prep_value(self, value: Any, connection: BaseDatabaseWrapper, prepared: bool = False) -> Any:
         if not prepared:
             value = self.get_prep_value(value)
-        if self.encoder is None:
-            try:
-                text = orjson.dumps(value)
-            except TypeError:
-                pass
-            else:
-                if connection.vendor == "postgresql":
-                    from psycopg.types.json import Jsonb
+        if self.encoder is not None:
+            return super().get_db_prep_value(value, connection, prepared=True)
+        text = dumps_bulk(value)
+        if connection.vendor == "postgresql":
+            from psycopg.types.json import Jsonb
 
-                    return Jsonb(value, dumps=lambda _: text)  # already written: psycopg takes the bytes
-                return text.decode()
-        return super().get_db_prep_value(value, connection, prepared=True)
+            return Jsonb(value, dumps=lambda _: text)  # already written: psycopg takes the bytes
+        return text.decode()
 
     def from_db_value(self, value: Any, expression: Any, connection: BaseDatabaseWrapper) -> Any:
         if value is None or self.decoder is not None or (

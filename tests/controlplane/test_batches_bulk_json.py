@@ -68,3 +68,10 @@ def test_rows_written_by_json_before_read_back_and_non_finite_floats_become_null
     odd.response = {"x": [math.nan, math.inf, 1.5]}
     odd.save(update_fields=["response"])
     assert Item.objects.get(pk=odd.pk).response == {"x": [None, None, 1.5]}
+
+
+def test_an_integer_past_64_bits_is_stored_through_json(tenant):
+    [item] = items(tenant, 1)
+    item.response = {"n": 2**70, "v": [1.5, -(2**65)]}
+    item.save(update_fields=["response"])
+    assert Item.objects.get(pk=item.pk).response == {"n": 2**70, "v": [1.5, -(2**65)]}
