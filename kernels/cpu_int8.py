@@ -46,7 +46,7 @@ def _library() -> ctypes.CDLL | None:
         lib.hearth_gemv_i8_f32.restype = lib.hearth_gemv_i8_bf16.restype = None
         lib.hearth_gemv_i8_bf16_pairs.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
         lib.hearth_gemv_i8_bf16_pairs.restype = None
-        for fn in (lib.hearth_i8_block_width, lib.hearth_i8_bf16_pairs):
+        for fn in (lib.hearth_i8_block_width, lib.hearth_i8_bf16_pairs, lib.hearth_i8_amx):
             fn.argtypes, fn.restype = [], ctypes.c_int64
         # read once: `linear` compares it with each weight's block on every call
         lib.block_width = int(lib.hearth_i8_block_width())

@@ -47,8 +47,21 @@ static inline __m512bh load_w_pairs(const int8_t *p) {
 }
 #endif
 
+#ifdef __AMX_BF16__
+#include "gemv_i8_amx.h"
+#endif
+
 /* The packed layout this build reads: the block width, and whether a bf16 model's blocks hold pairs of k. */
 int64_t hearth_i8_block_width(void) { return BW; }
+
+/* Whether bf16 products of int8 weights in pairs run on AMX tiles here (gemv_i8_amx.h; k a multiple of 32). */
+int64_t hearth_i8_amx(void) {
+#ifdef __AMX_BF16__
+    return i8_amx_permitted;
+#else
+    return 0;
+#endif
+}
 
 int64_t hearth_i8_bf16_pairs(void) {
 #ifdef __AVX512BF16__
@@ -176,6 +189,12 @@ void hearth_gemv_i8_bf16(const uint16_t *xb, const int8_t *packed, const float *
 void hearth_gemv_i8_bf16_pairs(const uint16_t *x, const int8_t *packed, const float *scale, const uint16_t *b,
                                uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t threads) {
 #ifdef __AVX512BF16__
+#ifdef __AMX_BF16__
+    if (m >= I8_AMX_MIN_ROWS && i8_amx_permitted && k % I8_AMX_K == 0
+        && i8_amx_product(x, packed, scale, b, y, m, n, k, threads) == 0)
+        return;
+    if (m < I8_AMX_MIN_ROWS && i8_pairs_fma(x, packed, scale, b, y, m, n, k, threads) == 0) return;
+#endif
     PRODUCT(1, x, 1);
 #else
     (void)x, (void)packed, (void)scale, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads;

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from inference.models.layers import Int8Linear, linear
 from kernels import cpu_build, cpu_int8
+from tests.cpu_builds import forget_libraries
 
 pytestmark = [pytest.mark.skipif(not cpu_int8.available(),
                                  reason="the CPU int8 kernel needs a C compiler and a CPU with AVX2 and FMA"),
@@ -99,6 +100,42 @@ def test_weights_packed_in_pairs_still_give_the_product_under_a_build_without_do
     cpu_build.load.cache_clear()
     cpu_int8._library.cache_clear()
     torch.testing.assert_close(cpu_int8.linear(x, weight), cpu_int8.linear_ref(x, weight.unpacked(), weight.scale))
+
+
+# rows: one and two (the pairs' fp32 multiply-adds), then x tiles of 16 rows two a unit on AMX: every remainder
+# of a tile, both heights of a unit, and past a chunk of 512 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 33, 47, 100, 530])
+def test_pairs_on_amx_tiles_and_few_rows_match_the_reference(rows: int, isa: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where bf16 products of int8 weights in pairs run on AMX tiles (k a multiple of 32; other k keep the dot
+    products) and one or two rows take fp32 multiply-adds: each output within one bf16 step of the exact
+    product, and close to the AVX-512 BF16 build's dot products, which take every row there."""
+    if isa != "native" or not _bf16_pairs() or not cpu_int8._library().hearth_i8_amx():
+        pytest.skip("int8 products on AMX tiles need a CPU with them (Intel Sapphire Rapids and later)")
+    gen = torch.Generator().manual_seed(100 + rows)
+    threads = torch.get_num_threads()
+    cases = []
+    try:
+        shapes = ((33, 32, True), (96, 896, False), (300, 1536, True), (40, 66, True))  # partial blocks; k off tiles
+        for count, (n, k, with_bias) in zip((2, 1, 3, 2), shapes, strict=True):
+            weight = cpu_int8.Int8Weight.from_float(torch.randn(n, k, generator=gen) / k ** 0.5, torch.bfloat16)
+            assert weight.pairs
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+            torch.set_num_threads(count)  # any team, more threads than cores included
+            got = cpu_int8.linear(x, weight, bias)
+            want = cpu_int8.linear_ref(x, weight.unpacked(), weight.scale, bias)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+            cases.append((x, weight, bias, got))
+        monkeypatch.setenv("HEARTH_CPU_AMX", "off")
+        forget_libraries()
+        assert not cpu_int8._library().hearth_i8_amx() and _bf16_pairs()
+        for x, weight, bias, got in cases:
+            dots = cpu_int8.linear(x, weight, bias)  # the same sums in another order
+            torch.testing.assert_close(got.float(), dots.float(), rtol=2 ** -7, atol=1e-3)
+            assert (got == dots).float().mean() > 0.9
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_product_takes_leading_dims_strided_input_and_any_thread_count() -> None:
