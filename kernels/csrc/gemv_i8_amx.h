@@ -129,51 +129,28 @@ static int i8_pairs_fma(const uint16_t *x, const int8_t *packed, const float *sc
     return 0;
 }
 
-/* Rows [r, r + 16 * groups) of x (group g's rows at x[g], 2k bytes apart) times one widened block w over all k:
- * tiles 0-1 hold the first group's sums for the block's two halves of 16 outputs, 2-3 the second's. */
+/* Rows [r, r + 16 * groups) of x (group g's rows at x[g], 2k bytes apart) times one block over all k: tiles 0-1
+ * hold the first group's sums for the block's two halves of 16 outputs, 2-3 the second's. The block is w, widened
+ * whole already; or, with q (its int8 pairs; a step of 32 k is 1,024 of them), widened here a step at a time into
+ * a ring of four 2 KB steps that stays in L1, just before the tiles read it. */
 static inline __attribute__((always_inline)) void i8_amx_unit(int groups, const uint16_t *x0, const uint16_t *x1,
-                                                              const uint16_t *w, int64_t k, float sums[32][BW]) {
-    const int64_t stride = 2 * k, steps = k / I8_AMX_K;
-    const char *wb = (const char *)w;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t j = 0; j < steps; j++, wb += 2048) {
-        _tile_loadd(6, wb, 128);
-        _tile_loadd(7, wb + 64, 128);
-        _tile_loadd(4, x0 + j * I8_AMX_K, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (groups == 2) {
-            _tile_loadd(5, x1 + j * I8_AMX_K, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, sums[0], BW * 4);
-    _tile_stored(1, sums[0] + 16, BW * 4);
-    if (groups == 2) {
-        _tile_stored(2, sums[16], BW * 4);
-        _tile_stored(3, sums[16] + 16, BW * 4);
-    }
-}
-
-/* i8_amx_unit for a chunk of at most 32 rows, the block widened step by step as the tiles need it, into a ring
- * of four 2 KB steps that stays in L1: q is the block's int8 pairs (one step of 32 k is 1,024 of them). */
-static inline __attribute__((always_inline)) void i8_amx_unit_widening(int groups, const uint16_t *x0,
-                                                                       const uint16_t *x1, const int8_t *q,
-                                                                       uint16_t ring[4][1024], int64_t k,
-                                                                       float sums[32][BW]) {
+                                                              const uint16_t *w, const int8_t *q,
+                                                              uint16_t ring[4][1024], int64_t k,
+                                                              float sums[32][BW]) {
     const int64_t stride = 2 * k, steps = k / I8_AMX_K;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t j = 0; j < steps; j++) {
-        const char *wb = (const char *)ring[j & 3];
-        i8_amx_widen(q + j * 1024, ring[j & 3], 1024);
-        TILE_LOADS_SEE_STORES();
+        const char *wb;
+        if (q) {
+            i8_amx_widen(q + j * 1024, ring[j & 3], 1024);
+            TILE_LOADS_SEE_STORES();
+            wb = (const char *)ring[j & 3];
+        } else {
+            wb = (const char *)(w + j * 1024); /* a step is 2 KB */
+        }
         _tile_loadd(6, wb, 128);
         _tile_loadd(7, wb + 64, 128);
         _tile_loadd(4, x0 + j * I8_AMX_K, stride);
@@ -238,10 +215,10 @@ static int i8_amx_product(const uint16_t *x, const int8_t *packed, const float *
                     const uint16_t *x0 = tail && r >= tail_from ? tail : x + r * k;
                     const uint16_t *x1 = tail && r + I8_AMX_ROWS >= tail_from ? tail : x + (r + I8_AMX_ROWS) * k;
                     if (stepwise) {
-                        if (groups == 2) i8_amx_unit_widening(2, x0, x1, q, ring, k, sums);
-                        else i8_amx_unit_widening(1, x0, x0, q, ring, k, sums);
-                    } else if (groups == 2) i8_amx_unit(2, x0, x1, w, k, sums);
-                    else i8_amx_unit(1, x0, x0, w, k, sums);
+                        if (groups == 2) i8_amx_unit(2, x0, x1, NULL, q, ring, k, sums);
+                        else i8_amx_unit(1, x0, x0, NULL, q, ring, k, sums);
+                    } else if (groups == 2) i8_amx_unit(2, x0, x1, w, NULL, ring, k, sums);
+                    else i8_amx_unit(1, x0, x0, w, NULL, ring, k, sums);
                     for (int64_t i = 0; i < here; i++) {
                         uint16_t *out = y + (r + i) * n + c0, row[BW];
                         const vec v0 = vadd(vmul(vload_f32(sums[i]), s0), b0); /* as the path above rounds */
