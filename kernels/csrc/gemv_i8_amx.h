@@ -40,18 +40,15 @@ static int i8_amx_permitted;
 
 __attribute__((constructor)) static void i8_amx_request(void) { i8_amx_permitted = amx_request_permission(); }
 
-/* count (a multiple of 32) int8 weights as bf16, in the same order. */
-static inline void i8_amx_widen(const int8_t *q, uint16_t *out, int64_t count) {
-    for (int64_t i = 0; i < count; i += 32) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
-        _mm512_storeu_si512((void *)(out + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-}
-
-/* 16 int8 weights (8 outputs times a pair of k) widened to fp32. */
+/* 16 int8 weights (e.g. 8 outputs times a pair of k) widened to fp32 (exact). */
 static inline __m512 i8_widen16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* count (a multiple of 32) int8 weights as bf16, in the same order (exact: an int8 fits bf16's significand). */
+static inline void i8_amx_widen(const int8_t *q, uint16_t *out, int64_t count) {
+    for (int64_t i = 0; i < count; i += 32)
+        _mm512_storeu_si512((void *)(out + i), (__m512i)_mm512_cvtne2ps_pbh(i8_widen16(q + i + 16), i8_widen16(q + i)));
 }
 
 /* y [M, n] for M = 1 or 2 rows of bf16 x (xf: them widened, M * k floats) on blocks of [k / 2][BW][2]: per
@@ -101,7 +98,10 @@ static inline __attribute__((always_inline)) void i8_pairs_fma_block(int M, cons
         float sums[BW];
         for (int h = 0; h < 2; h++) { /* outputs [16h, 16h + 16): vectors 2h and 2h + 1 */
             __m512 a = acc[0][j][2 * h], c = acc[0][j][2 * h + 1];
-            for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[u][j][2 * h]), c = _mm512_add_ps(c, acc[u][j][2 * h + 1]);
+            for (int u = 1; u < U; u++) {
+                a = _mm512_add_ps(a, acc[u][j][2 * h]);
+                c = _mm512_add_ps(c, acc[u][j][2 * h + 1]);
+            }
             _mm512_storeu_ps(sums + 16 * h, _mm512_add_ps(_mm512_permutex2var_ps(a, even, c),
                                                           _mm512_permutex2var_ps(a, odd, c)));
         }
