@@ -191,14 +191,20 @@ def test_record_many_writes_what_recording_one_by_one_writes(tenant):
     rng = random.Random()
     times = [DAY1, DAY1 + timedelta(seconds=20), DAY1 + timedelta(minutes=3), DAY2]
 
+    models, keyed = [CHAT_MODEL, EMBED_MODEL], [True, False]
+
     def records(account) -> list[UsageRecord]:
+        # Every time, model and key state at least once (so each day and minute has rows of every kind: drawn
+        # alone, 24 records once missed the second day and the rows checked below were 4), then 4-24 more drawn.
+        groups = [(t, m, k) for t in times for m in models for k in keyed]
+        groups += [(rng.choice(times), rng.choice(models), rng.choice(keyed)) for _ in range(rng.randrange(4, 24))]
+        rng.shuffle(groups)
         return [UsageRecord(
-            account_id=account.account.pk, key_id=rng.choice([str(account.key.pk), None]),
-            model=rng.choice([CHAT_MODEL, EMBED_MODEL]), route="native", source="batch",
-            status=rng.choice([Status.OK, Status.OK, Status.ERROR]), input_tokens=rng.randrange(1, 500),
-            cached_input_tokens=rng.randrange(0, 100), output_tokens=rng.randrange(0, 300),
-            latency_ms=rng.uniform(0.5, 90_000.0), ttft_ms=rng.choice([None, rng.uniform(0.5, 5_000.0)]),
-            created_at=rng.choice(times)) for _ in range(rng.randrange(20, 40))]
+            account_id=account.account.pk, key_id=str(account.key.pk) if k else None, model=m, route="native",
+            source="batch", status=rng.choice([Status.OK, Status.OK, Status.ERROR]),
+            input_tokens=rng.randrange(1, 500), cached_input_tokens=rng.randrange(0, 100),
+            output_tokens=rng.randrange(0, 300), latency_ms=rng.uniform(0.5, 90_000.0),
+            ttft_ms=rng.choice([None, rng.uniform(0.5, 5_000.0)]), created_at=t) for t, m, k in groups]
 
     alone = records(tenant)
     together = [UsageRecord(**{**{f: getattr(r, f) for f in r.__slots__}, "account_id": second.account.pk,
