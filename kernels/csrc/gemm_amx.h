@@ -102,27 +102,18 @@ static inline __attribute__((always_inline)) void amx_lora(const lora_side *L, i
             const char *w = (const char *)(E->b[p] + (column - E->column[p]) * E->rank); /* its block: rank x 32 */
             const uint16_t *v = E->v[p];
             for (int64_t j = 0; j < E->rank; j += AMX_K, w += 2048) {
-                _tile_loadd(6, w, 128);
-                _tile_loadd(7, w + 64, 128);
-                if (second) {
-                    _tile_loadd(5, v + j, L->stride * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                } else {
-                    _tile_loadd(4, v + j, L->stride * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
+                amx_tiles_weights(w);
+                amx_tiles_rows(second, v + j, L->stride * 2);
             }
             break;
         }
     }
 }
 
-/* Tiles 0-3 = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k; x rows 2k
- * bytes apart. groups and fetch are constants once inlined: one loop each, no branch in it. The sums stay in the
- * tiles until amx_store. After each step's multiplies come a row or two of the epilogue of `before` (an earlier
- * unit, whose sums are already stored), until all of its rows are done (see amx_block_rows). */
+/* Tiles 0-3 = rows [0, 16) (x0) and, with two groups, [16, 32) (x1) of x times one block over all k (amx.h's plan);
+ * x rows 2k bytes apart. groups and fetch are constants once inlined: one loop each, no branch in it. The sums stay
+ * in the tiles until amx_tiles_store. After each step's multiplies come a row or two of the epilogue of `before`
+ * (an earlier unit, whose sums are already stored), until all of its rows are done (see amx_block_rows). */
 static inline __attribute__((always_inline)) void amx_run(int kind, int groups, int fetch, const uint16_t *x0,
                                                            const uint16_t *x1, int64_t k, const uint16_t *block,
                                                            amx_unit *before, int64_t n, const lora_side *lora,
@@ -131,38 +122,18 @@ static inline __attribute__((always_inline)) void amx_run(int kind, int groups, 
     const int64_t per = (before->rows + steps - 1) / steps; /* rows of the earlier unit's epilogue a step */
     int64_t done = 0;
     const char *w = (const char *)block;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_tiles_zero();
     for (int64_t j = 0; j < steps; j++, w += 2048) {
         if (fetch) amx_fetch(w);
-        _tile_loadd(6, w, 128);
-        _tile_loadd(7, w + 64, 128);
-        _tile_loadd(4, x0 + j * AMX_K, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (groups == 2) {
-            _tile_loadd(5, x1 + j * AMX_K, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        amx_tiles_weights(w);
+        amx_tiles_rows(0, x0 + j * AMX_K, stride);
+        if (groups == 2) amx_tiles_rows(1, x1 + j * AMX_K, stride);
         for (int64_t e = 0; e < per && done < before->rows; e++, done++) amx_epilogue_row(kind, before, done, n);
     }
     before->rows = 0;
     if (lora) {
         amx_lora(lora, group, column, 0);
         if (groups == 2) amx_lora(lora, group + 1, column, 1);
-    }
-}
-
-/* amx_run's sums into sums [32][BW]. */
-static inline __attribute__((always_inline)) void amx_store(int groups, float sums[32][BW]) {
-    _tile_stored(0, sums[0], BW * 4);
-    _tile_stored(1, sums[0] + 16, BW * 4);
-    if (groups == 2) {
-        _tile_stored(2, sums[16], BW * 4);
-        _tile_stored(3, sums[16] + 16, BW * 4);
     }
 }
 
@@ -211,10 +182,10 @@ static inline __attribute__((always_inline)) void amx_block_rows(int kind, const
         /* the first pass over a block reads it from memory: only that one fetches ahead */
         /* the earlier unit's epilogue too; r is a multiple of 16 (chunks and units are) */
         amx_run_any(kind, groups, g == 0, x0, x1, k, block, before, n, lora, r / AMX_ROWS, c0);
-        amx_store(groups, now->sums);
+        amx_tiles_store(groups, now->sums[0], BW);
         if (up) { /* silu: the up half's outputs are the projection's n + c0 on */
             amx_run_any(kind, groups, g == 0, x0, x1, k, up, before, n, lora, r / AMX_ROWS, n + c0);
-            amx_store(groups, now->ups);
+            amx_tiles_store(groups, now->ups[0], BW);
         }
         now->rows = here, now->up = up != NULL, now->y = y ? y + g * n * out : NULL; /* not a compound literal: */
         now->b = b, now->b_up = b_up, now->width = width, now->c0 = c0;               /* it would zero the sums */

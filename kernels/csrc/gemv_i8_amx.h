@@ -138,10 +138,7 @@ static inline __attribute__((always_inline)) void i8_amx_unit(int groups, const 
                                                               uint16_t ring[4][1024], int64_t k,
                                                               float sums[32][BW]) {
     const int64_t stride = 2 * k, steps = k / I8_AMX_K;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_tiles_zero();
     for (int64_t j = 0; j < steps; j++) {
         const char *wb;
         if (q) {
@@ -151,23 +148,11 @@ static inline __attribute__((always_inline)) void i8_amx_unit(int groups, const 
         } else {
             wb = (const char *)(w + j * 1024); /* a step is 2 KB */
         }
-        _tile_loadd(6, wb, 128);
-        _tile_loadd(7, wb + 64, 128);
-        _tile_loadd(4, x0 + j * I8_AMX_K, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (groups == 2) {
-            _tile_loadd(5, x1 + j * I8_AMX_K, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        amx_tiles_weights(wb);
+        amx_tiles_rows(0, x0 + j * I8_AMX_K, stride);
+        if (groups == 2) amx_tiles_rows(1, x1 + j * I8_AMX_K, stride);
     }
-    _tile_stored(0, sums[0], BW * 4);
-    _tile_stored(1, sums[0] + 16, BW * 4);
-    if (groups == 2) {
-        _tile_stored(2, sums[16], BW * 4);
-        _tile_stored(3, sums[16] + 16, BW * 4);
-    }
+    amx_tiles_store(groups, sums[0], BW);
 }
 
 /* y[m, n] (bf16) = scale * (x [m, k] bf16 times packed: blocks of [k / 2][BW][2] int8) + b: 0, or -1 where it
