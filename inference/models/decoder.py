@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from inference import memory
 from inference.batch import AttentionBatch, DecodeGroup
 from inference.kv_cache import KVPool
 from inference.models import layers
@@ -140,7 +141,9 @@ class DecoderLM:
         self.final_norm = get(f"{prefix}norm.weight")
         # The plain (unpacked) head matrix is kept for heads over part of the vocabulary (a draft model's).
         self.head_weight = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed
-        self.lm_head = layers.linear(self.head_weight, quantization=quantization)
+        # Every packed matrix on huge pages, the small ones carved in the order decode reads them (memory.Pool).
+        weights = memory.Pool()
+        self.lm_head = layers.linear(self.head_weight, quantization=quantization, zeros=weights.zeros)
         self.embed_scale = (torch.tensor(math.sqrt(self.hidden_size), dtype=dtype)
                             if self.spec.embed_scale else None)
 
@@ -159,11 +162,11 @@ class DecoderLM:
             self.layers.append(LayerWeights(
                 qkv=layers.linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]),
                                   torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if has_bias else None,
-                                  quantization),
-                o=layers.linear(get(attn + "o_proj.weight"), quantization=quantization),
+                                  quantization, weights.zeros),
+                o=layers.linear(get(attn + "o_proj.weight"), quantization=quantization, zeros=weights.zeros),
                 gate_up=layers.linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
-                                      quantization=quantization),
-                down=layers.linear(get(mlp + "down_proj.weight"), quantization=quantization),
+                                      quantization=quantization, zeros=weights.zeros),
+                down=layers.linear(get(mlp + "down_proj.weight"), quantization=quantization, zeros=weights.zeros),
                 input_norm=get(p + "input_layernorm.weight"),
                 post_attn_norm=get(p + "post_attention_layernorm.weight"),
                 pre_ffn_norm=get(p + "pre_feedforward_layernorm.weight") if self.spec.sandwich_norms else None,

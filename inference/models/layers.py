@@ -116,10 +116,11 @@ class Int8Linear:
     (`quantization: "int8"`; docs/benchmarks.md measures it). Activations, sums and the bias keep the model's
     dtype; Q lives on huge pages like the other weights decode streams."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 zeros: cpu_gemv.Zeros = memory.zeros) -> None:
         self.out_features, self.in_features = weight.shape
         # The packed blocks decode streams every step live on huge pages (inference/memory.py).
-        self.weight = cpu_int8.Int8Weight.from_float(weight, zeros=memory.zeros)
+        self.weight = cpu_int8.Int8Weight.from_float(weight, zeros=zeros)
         self.bias = bias.contiguous() if bias is not None else None
         self.nbytes = self.weight.nbytes + (bias.numel() * bias.element_size() if bias is not None else 0)
 
@@ -140,9 +141,11 @@ class Int8Linear:
 LinearLayer = Linear | Int8Linear
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none") -> LinearLayer:
-    """The layer for this weight under the model's quantization setting."""
-    return Int8Linear(weight, bias) if quantization == "int8" else Linear(weight, bias)
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none",
+           zeros: cpu_gemv.Zeros = memory.zeros) -> LinearLayer:
+    """The layer for this weight under the model's quantization setting; its packed blocks in buffers from
+    `zeros` (a model's memory.Pool)."""
+    return Int8Linear(weight, bias, zeros) if quantization == "int8" else Linear(weight, bias, zeros)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

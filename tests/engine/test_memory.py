@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import gc
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 
-from inference import memory
+from inference import LLM, EngineConfig, memory
 from inference.kv_cache import KVLayout, KVPool
 from inference.models.layers import Linear
 
@@ -19,6 +20,11 @@ def test_a_large_buffer_is_zeroed_aligned_to_a_huge_page_and_outlives_its_mappin
     assert t.shape == (3 << 20,) and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % memory.HUGE_PAGE == 0
     assert int(t.count_nonzero()) == 0
+    # mapped in whole huge pages: the last, partial one of an odd size lies wholly inside the mapping, which the
+    # kernel needs to back it with a huge page too
+    odd = memory.zeros(((5 << 19) + 100,), torch.uint8)
+    mapped = odd.untyped_storage().nbytes() - (odd.data_ptr() - odd.untyped_storage().data_ptr())
+    assert odd.data_ptr() % memory.HUGE_PAGE == 0 and mapped >= 2 * memory.HUGE_PAGE
     view = t[5:9]
     del t
     gc.collect()
@@ -76,3 +82,37 @@ def test_an_arena_lays_buffers_one_after_another_zeroed_and_aligned_and_carves_a
     gc.collect()
     view.copy_(torch.arange(4.0))
     assert view.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_pool_carves_buffers_in_turn_on_huge_pages_and_gives_one_larger_than_a_region_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory.Pool, "REGION", memory.HUGE_PAGE)  # one huge page a region: the third opens a new one
+    pool = memory.Pool()
+    third = memory.HUGE_PAGE // 3
+    small = [pool.zeros((third // 4,), torch.float32) for _ in range(3)]
+    assert all(int(t.count_nonzero()) == 0 and t.dtype == torch.float32 for t in small)
+    assert small[0].data_ptr() % memory.HUGE_PAGE == 0  # a region starts on a huge page
+    assert small[1].data_ptr() == small[0].data_ptr() + memory.Arena.size(small[0].nbytes)  # in the order asked for
+    assert small[2].data_ptr() % memory.HUGE_PAGE == 0 and small[2].data_ptr() != small[0].data_ptr()  # no room left
+    small[0].fill_(1.0)
+    assert int(small[1].count_nonzero()) == 0
+    large = pool.zeros((memory.HUGE_PAGE,), torch.bfloat16)  # larger than a region: a region of its own
+    assert large.data_ptr() % memory.HUGE_PAGE == 0 and int(large.count_nonzero()) == 0
+    after = pool.zeros((8,), torch.float32)  # carving goes on in the open region
+    assert after.data_ptr() == small[2].data_ptr() + memory.Arena.size(small[2].nbytes)
+    monkeypatch.setenv("HEARTH_HUGEPAGES", "off")
+    plain = memory.Pool().zeros((4, 4), torch.float32)
+    assert plain.shape == (4, 4) and int(plain.count_nonzero()) == 0
+
+
+def test_a_decoder_lays_its_packed_matrices_one_after_another_in_the_order_decode_reads_them(
+        tiny_llama: Path) -> None:
+    llm = LLM(tiny_llama, EngineConfig(device="cpu", dtype="float32", kv_cache_memory="16MiB"))
+    weights = [getattr(layer, name).gemv_weight for layer in llm.engine.model.layers
+               for name in ("qkv", "o", "gate_up", "down")]
+    if any(w is None for w in weights):
+        pytest.skip("this machine's CPU kernels do not pack these weights")
+    packed = [w.packed for w in weights]
+    assert packed[0].data_ptr() % memory.HUGE_PAGE == 0
+    for before, after in itertools.pairwise(packed):
+        assert after.data_ptr() == before.data_ptr() + memory.Arena.size(before.nbytes)
