@@ -33,8 +33,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or not enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
     # Whole huge pages, and one spare so that the tensor can start on a 2 MiB boundary (mmap only promises 4 KiB
-    # alignment): the kernel backs with huge pages only the 2 MiB ranges that lie wholly inside the mapping, so one
-    # just long enough left the buffer's last partial huge page on 4 KiB pages, most times.
+    # alignment). The kernel backs with huge pages only the 2 MiB ranges that lie wholly inside the mapping: with
+    # nbytes + one spare, a buffer's last partial huge page stayed on 4 KiB pages unless the buffer happened to start
+    # near the mapping's start (SmolLM2's LM head, 0.6 MiB past its last whole huge page, about seven times in ten).
     region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,
                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # a kernel without THP: still a valid, zeroed buffer
@@ -91,8 +92,8 @@ class Pool:
     (a model's packed weights: the order a decode step reads them); one larger than a region gets its own.
 
     `zeros` leaves buffers under a huge page plain, and a model's weights are mostly matrices of a few hundred KiB
-    to a few MiB that decode streams one product at a time: SmolLM2-135M's q|k|v, o and down (0.6-1.8 MiB in
-    bf16) were on the heap's 4 KiB pages. On a Zen 4 VM its 120 products a token streamed 1.17-1.23x faster with
+    to a few MiB that decode streams one product at a time: SmolLM2-135M's q|k|v, o and down (0.6-1.7 MiB in
+    bf16) were on the heap's 4 KiB pages. On a Zen 4 VM its 120 products a token streamed 1.15-1.27x faster with
     every matrix on huge pages (a C loop over the same shapes), and the engine's bf16 single stream gained 1.03x, in
     one process alternating with the old placement (docs/benchmarks.md, CPU peers). A region's untouched tail is
     never faulted in: it costs address space, not memory (at most the rest of the huge page the last buffer ends
