@@ -141,7 +141,7 @@ class DecoderLM:
         self.final_norm = get(f"{prefix}norm.weight")
         # The plain (unpacked) head matrix is kept for heads over part of the vocabulary (a draft model's).
         self.head_weight = get("lm_head.weight") if "lm_head.weight" in tensors else self.embed
-        # Every packed matrix on huge pages, the small ones carved in the order decode reads them (memory.Pool).
+        # Every packed matrix on huge pages, carved in turn in the order decode reads them (memory.Pool).
         weights = memory.Pool()
         self.lm_head = layers.linear(self.head_weight, quantization=quantization, zeros=weights.zeros)
         self.embed_scale = (torch.tensor(math.sqrt(self.hidden_size), dtype=dtype)
