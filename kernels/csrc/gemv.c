@@ -37,14 +37,18 @@ static inline vec vload_bf16(const uint16_t *p) { return widen8_bf16(p); }
 #define NB 2         /* vectors per block */
 #define BW (NB * VL) /* outputs per block */
 
-/* On the AMX Xeons (builds with the tiles) the pairs' dot products left the weights streaming at ~0.73x the fp32
- * GEMV's bytes per second: the same blocks, the same loads, only the instruction differs, and its longer chains
- * seem to hold back how many lines the core keeps in flight. Asking for every line 8 KiB ahead into L2 brings
- * them level: Qwen2.5-0.5B's decode shapes, 2 threads, one process per build alternated, bf16 21.2-22.3 -> 27.0-29.5
- * GB/s (fp32 28.5-32.1 beside them), the LM head 21.9-23.8 -> 29.0-31.4; 4 KiB into L1 or 16 KiB into L2 no
- * better (docs/benchmarks.md, CPU peers). Past a block's end it fetches the next block's start, which the same
- * thread mostly takes next (guided runs of blocks), and past the matrix's end a prefetch faults nothing. Not
- * measured on the AMD builds, which stream at 87-95% of the read rate without it. */
+/* On the Intel Xeons the weights stream faster when every line is asked for 8 KiB ahead into L2 (the build defines
+ * HEARTH_PREFETCH_L2 there: kernels/cpu_build.defines). With the tiles' AVX-512 BF16 pairs the dot products left
+ * the weights streaming at ~0.73x the fp32 GEMV's bytes per second: the same blocks, the same loads, only the
+ * instruction differs, and its longer chains seem to hold back how many lines the core keeps in flight. The
+ * prefetch brought them level: Qwen2.5-0.5B's decode shapes, 2 threads, one process per build alternated, bf16
+ * 21.2-22.3 -> 27.0-29.5 GB/s (fp32 28.5-32.1 beside them), the LM head 21.9-23.8 -> 29.0-31.4; 4 KiB into L1 or
+ * 16 KiB into L2 no better. fp32 gains too, on a model 207 Xeon without AVX-512 BF16: a token's products (every
+ * matrix pooled on huge pages, builds alternated in one process, 12 rounds) 1.066x for Qwen2.5-0.5B (25.6 ->
+ * 27.6 GB/s) and 1.044x for SmolLM2-135M; 4 and 12 KiB ahead within a percent of 8, 2 KiB into L1 1.025x
+ * (docs/benchmarks.md, CPU peers). Past a block's end it fetches the next block's start, which the same thread
+ * mostly takes next (guided runs of blocks), and past the matrix's end a prefetch faults nothing. Not on the AMD
+ * EPYCs, which stream at 87-95% of the read rate without it and measured slower with it (Zen 4). */
 #define AHEAD_BYTES 8192
 
 /* How the weights are laid out: */
@@ -88,8 +92,8 @@ static inline __attribute__((always_inline)) void tile(int kind, const void *con
             for (int v = 0; v < NB; v++) acc[u][j][v] = vzero();
     int64_t i = 0;
     for (; i + U <= steps; i += U) {
-#ifdef __AMX_TILE__
-        if (kind == BF16_PAIRS) /* a step of pairs is BW * 4 bytes: U * BW * 4 / 64 lines an iteration */
+#ifdef HEARTH_PREFETCH_L2
+        if (kind == F32 || kind == BF16_PAIRS) /* a step of either is BW * 4 bytes: U * BW * 4 / 64 lines */
             for (int l = 0; l < U * BW * 4 / 64; l++)
                 _mm_prefetch((const char *)block + i * BW * 4 + AHEAD_BYTES + 64 * l, _MM_HINT_T1);
 #endif

@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.skipif(COMPILER is None or not cpu_build.cpu_has("avx2
 def test_every_kernel_source_compiles(name: str, tmp_path: Path) -> None:
     assert COMPILER is not None
     # The build's flags with -O0 after them: the same checks of the source, a fraction of the time.
-    # An undeclared function is only a warning to C, and a library that cannot load: an error here.
-    command = [COMPILER, *cpu_build.flags(), "-O0", "-Werror=implicit-function-declaration",
+    # An undeclared function is only a warning to C, and a library that cannot load: an error here. With every
+    # vendor's tuning defined, so that code compiles on any machine.
+    command = [COMPILER, *cpu_build.flags(), cpu_build.PREFETCH_L2, "-O0", "-Werror=implicit-function-declaration",
                str(cpu_build.SOURCES / f"{name}.c"), "-o",
                str(tmp_path / f"{name}.so"), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -63,3 +64,18 @@ def test_prebuild_builds_every_source_once_and_loads_need_no_compiler(tmp_path: 
         assert cpu_build.build("one") not in libraries
     finally:
         cpu_build.load.cache_clear()
+
+
+def test_the_l2_prefetch_is_built_in_on_intel_cpus_unless_the_operator_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HEARTH_CPU_PREFETCH", raising=False)
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_build.defines() == (cpu_build.PREFETCH_L2,)
+    monkeypatch.setenv("HEARTH_CPU_PREFETCH", "off")
+    assert cpu_build.defines() == ()
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setenv("HEARTH_CPU_PREFETCH", "auto")
+    assert cpu_build.defines() == ()
+    monkeypatch.setenv("HEARTH_CPU_PREFETCH", "on")
+    assert cpu_build.defines() == (cpu_build.PREFETCH_L2,)
+

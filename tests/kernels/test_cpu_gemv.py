@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from inference.models.layers import Linear
-from kernels import cpu_gemv
+from kernels import cpu_build, cpu_gemv
+from tests.cpu_builds import forget_libraries
 from tests.kernels.products import head_inputs
 
 pytestmark = [pytest.mark.skipif(not cpu_gemv.available(),
@@ -157,3 +158,26 @@ def test_argmax_of_one_or_two_rows_is_torchs_argmax_of_the_products(team: int) -
                 assert torch.equal(cpu_gemv.gemv_argmax(x, layer.gemv_weight), want)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_l2_prefetch_changes_no_result(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built with and without HEARTH_PREFETCH_L2 (kernels/cpu_build.defines: on for Intel CPUs), the products and
+    their argmax are the same bit for bit, and the reference's within rounding: both builds run on any machine."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 1000, 700  # blocks past the prefetch distance, a partial last block, steps left after the unrolled ones
+    x, w = torch.randn(2, k, generator=gen).to(dtype), (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    results, libraries = [], set()
+    for choice in ("on", "off"):
+        monkeypatch.setenv("HEARTH_CPU_PREFETCH", choice)
+        forget_libraries()
+        libraries.add(cpu_build.build("gemv"))
+        packed = cpu_gemv.pack(w)
+        results.append((cpu_gemv.gemv(x[:1], packed), cpu_gemv.gemv(x, packed), cpu_gemv.gemv_argmax(x, packed)))
+    forget_libraries()
+    assert len(libraries) == 2  # the define reached the build
+    for on, off in zip(*results, strict=True):
+        assert torch.equal(on, off)
+    want = cpu_gemv.gemv_ref(x.float(), w.float(), None)
+    torch.testing.assert_close(results[0][1].float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
