@@ -69,8 +69,8 @@ def cpu_vendor() -> str:
 def defines() -> tuple[str, ...]:
     """Tuning that depends on the CPU's maker rather than its instruction sets, as -D flags every library is built
     with. HEARTH_PREFETCH_L2: the one- and two-row products ask for their weights 8 KiB ahead into L2 (gemv.c).
-    On the Intel Xeons it measured 1.05-1.09x (fp32) and 1.3x (AVX-512 BF16 pairs) the products' rate; on the AMD
-    EPYCs, slower. HEARTH_CPU_PREFETCH=on or off overrides the vendor's choice (auto), for comparisons."""
+    On the Intel Xeons it measured 1.04-1.09x (fp32) and ~1.3x (AVX-512 BF16 pairs) the products' rate; on a Zen 4
+    EPYC, slower (docs/benchmarks.md, CPU peers). HEARTH_CPU_PREFETCH=on or off overrides the vendor's choice (auto), for comparisons."""
     choice = os.environ.get("HEARTH_CPU_PREFETCH", "auto")
     prefetch = choice == "on" or (choice == "auto" and cpu_vendor() == "GenuineIntel")
     return (PREFETCH_L2,) if prefetch else ()

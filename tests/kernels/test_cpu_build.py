@@ -78,4 +78,3 @@ def test_the_l2_prefetch_is_built_in_on_intel_cpus_unless_the_operator_says_othe
     assert cpu_build.defines() == ()
     monkeypatch.setenv("HEARTH_CPU_PREFETCH", "on")
     assert cpu_build.defines() == (cpu_build.PREFETCH_L2,)
-
