@@ -52,7 +52,7 @@ class _Model(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("elem", "hidden", "hq", "hkv", "head_dim", "inter")]
                 + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")]
                 + [("norm_offset", ctypes.c_int64), ("threads", ctypes.c_int64), ("gemv_rows", ctypes.c_int64)]
-                + [(name, _c) for name in ("causal", "prefill", "lora_gemm")])
+                + [(name, _c) for name in ("causal", "prefill", "lora_gemm", "lora_shrinks")])
 
 
 class _Prompt(ctypes.Structure):
@@ -99,7 +99,8 @@ class AdapterTable:
         self.widest_in = self.widest_out = 0  # the widest input and output of any adapted projection
         # What hearth_lora_add and hearth_lora_product read of a model: the activations' size, the GEMV's most rows
         # (threads per call) and the product the adapters ride inside.
-        self.model = _Model(elem=torch.finfo(dtype).bits // 8, gemv_rows=MAX_ROWS, lora_gemm=lora_gemm(dtype))
+        self.model = _Model(elem=torch.finfo(dtype).bits // 8, gemv_rows=MAX_ROWS, lora_gemm=lora_gemm(dtype),
+                            lora_shrinks=lora_shrinks(dtype))
 
     def _index(self, slot: int, layer: int, projection: str) -> int:
         return (slot * self.layers + layer) * len(PROJECTIONS) + PROJECTIONS.index(projection)
@@ -273,6 +274,14 @@ def lora_gemm(dtype: torch.dtype) -> int | None:
     return _address(lib.hearth_gemm_bf16_lora)
 
 
+def lora_shrinks(dtype: torch.dtype) -> int | None:
+    """The address of gemm.c's hearth_gemm_bf16_shrinks (a projection's adapters' shrinks in one call on AMX tiles)
+    where `lora_gemm` has one, and HEARTH_LORA_SHRINKS is not off; None elsewhere (one product a span)."""
+    if lora_gemm(dtype) is None or os.environ.get("HEARTH_LORA_SHRINKS", "auto") == "off":
+        return None
+    return _address(cpu_gemv._gemm_library().hearth_gemm_bf16_shrinks)
+
+
 def silu_entry(weight: cpu_gemv.GemvWeight) -> int | None:
     """The address of cpu_gemv's fused gate/up + SiLU entry point for this weight, or None where it has none."""
     fn = cpu_gemv.gemm_silu_kernel(weight)
@@ -342,7 +351,8 @@ class DecodeStack:
             2 if bf16 else 4, hidden, num_heads, num_kv_heads, head_dim, intermediate,
             eps, scale, softcap or 0.0, int(norm_offset), torch.get_num_threads(), MAX_ROWS,
             _address(causal.hearth_causal_attention) if causal is not None else None,
-            _address(causal.hearth_prefill_attention) if causal is not None else None, lora_gemm(dtype))
+            _address(causal.hearth_prefill_attention) if causal is not None else None, lora_gemm(dtype),
+            lora_shrinks(dtype))
         self.prompts = causal is not None  # whether steps with prompt chunks run here
         self._tile = causal.hearth_causal_attention_tile() if causal is not None else 0
         self.specs = layers  # the tensors the layer structs point into

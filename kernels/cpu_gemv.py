@@ -65,6 +65,8 @@ def _gemm_library() -> ctypes.CDLL | None:
         lib.hearth_gemm_argmax_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         lib.hearth_gemm_argmax_bf16.argtypes = lib.hearth_gemm_argmax_f32.argtypes
         lib.hearth_gemm_argmax_f32.restype = lib.hearth_gemm_argmax_bf16.restype = ctypes.c_int64
+        lib.hearth_gemm_bf16_shrinks.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+        lib.hearth_gemm_bf16_shrinks.restype = ctypes.c_int64
         for fn in (lib.hearth_gemm_chunk_rows, lib.hearth_gemm_tile_rows, lib.hearth_gemm_bf16_pairs,
                    lib.hearth_gemm_block_width, lib.hearth_gemm_amx):
             fn.argtypes, fn.restype = [], ctypes.c_int64

@@ -48,6 +48,7 @@ typedef void (*attention_fn)(const void *q, const void *k_cache, const void *v_c
                              float *received);
 typedef int64_t (*lora_gemm_fn)(const void *x, const void *packed, const void *b, void *y, int64_t m, int64_t n,
                                 int64_t k, int64_t threads, int64_t silu, const lora_side *lora);
+typedef int64_t (*shrinks_fn)(const lora_job *jobs, int64_t count, int64_t k, int64_t threads);
 typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t threads);
 typedef void (*causal_fn)(const void *q, const void *k, const void *v, void *out, int64_t sq, int64_t sk, int64_t sv,
                           int64_t T, int64_t hq, int64_t hkv, int64_t D, float scale, int64_t bf16, float *scratch,
@@ -113,6 +114,7 @@ typedef struct {
     int64_t gemv_rows; /* the most rows `fn` takes; a step of more runs each product's `many` */
     void *causal, *prefill; /* a prompt chunk's attention (causal_attention.c): fresh, and after cached keys */
     void *lora_gemm; /* gemm.c's hearth_gemm_bf16_lora where bf16 products of many rows run on AMX tiles, or NULL */
+    void *lora_shrinks; /* gemm.c's hearth_gemm_bf16_shrinks where lora_gemm is, or NULL */
 } Model;
 
 /* A prompt chunk of a step (rows after the decodes): its queries attend to its own keys (context < 0: nothing
@@ -206,19 +208,22 @@ static void add_rows(void *y, int64_t out, const int64_t *rows, int64_t m, const
     }
 }
 
-/* The rank vectors of a span's rows (its adapter's shrink) into A->mid at the span's rows, from their rows of x:
- * read in place where they follow each other (a prompt chunk's), else gathered into A->xs first. */
+/* A span's rows of x: in place where they follow each other (a prompt chunk's), else gathered into A->xs at the
+ * span's rows. */
+static const void *span_rows(const Model *M, const Lora *A, int64_t start, int64_t m, const void *x, int64_t in) {
+    const int64_t e = M->elem, *rows = A->order + start;
+    if (rows[m - 1] - rows[0] == m - 1) /* rows ascend within a span: only consecutive ones span m - 1 */
+        return (const char *)x + rows[0] * in * e;
+    char *gathered = (char *)A->xs + start * in * e;
+    for (int64_t i = 0; i < m; i++) memcpy(gathered + i * in * e, (const char *)x + rows[i] * in * e, in * e);
+    return gathered;
+}
+
+/* The rank vectors of a span's rows (its adapter's shrink) into A->mid at the span's rows. */
 static void shrink_span(const Model *M, const Lora *A, float *widened_rows, const Adapter *ad, int64_t start, int64_t m,
                         const void *x, int64_t in, int64_t threads) {
-    const int64_t e = M->elem, *rows = A->order + start;
-    const char *xs = (const char *)x + rows[0] * in * e;
-    char *mid = (char *)A->mid + start * A->mid_row * e;
-    if (rows[m - 1] - rows[0] != m - 1) { /* rows ascend within a span: only consecutive ones span m - 1 */
-        char *gathered = (char *)A->xs + start * in * e;
-        for (int64_t i = 0; i < m; i++) memcpy(gathered + i * in * e, (const char *)x + rows[i] * in * e, in * e);
-        xs = gathered;
-    }
-    product_rows(M, &ad->shrink, xs, mid, m, threads, widened_rows + start * A->widened_row);
+    product_rows(M, &ad->shrink, span_rows(M, A, start, m, x, in), (char *)A->mid + start * A->mid_row * M->elem, m,
+                 threads, widened_rows + start * A->widened_row);
 }
 
 /* One span's part of hearth_lora_add: rows order[start, start + m) of one adapter, its scratch rows at `start`
@@ -281,19 +286,41 @@ void hearth_lora_add(const Model *M, const Lora *A, float *widened, int64_t laye
     run_spans(M, A, widened, layer, projection, x, in, y, out);
 }
 
-/* Buffer `which` (0-2) of the calling thread's scratch for hearth_lora_product, at least `bytes` long (NULL out
+/* Buffer `which` (0-3) of the calling thread's scratch for hearth_lora_product, at least `bytes` long (NULL out
  * of memory): kept from call to call and grown as needed, never given back (the largest a thread has needed: a
  * prompt step's tiles, a few hundred KB). Allocated afresh for each of a step's 120 products, buffers that large
  * are mapped anew by glibc's default allocator and come as new pages the kernel must zero. */
 static void *scratch(int which, int64_t bytes) {
-    static __thread void *held[3];
-    static __thread int64_t size[3];
+    static __thread void *held[4];
+    static __thread int64_t size[4];
     if (bytes > size[which]) {
         void *grown = realloc(held[which], (size_t)bytes);
         if (!grown) return NULL;
         held[which] = grown, size[which] = bytes;
     }
     return held[which];
+}
+
+/* Every span's rank vectors of this projection into A->mid: in one call where gemm.c runs them all at once on AMX
+ * tiles (hearth_gemm_bf16_shrinks: at a decode step, a few rows each by a small matrix, which one at a time
+ * streamed their weights at ~11 GB/s on an AMX Xeon VM), else span by span (run_spans). */
+static void shrinks(const Model *M, const Lora *A, float *widened, int64_t layer, int64_t projection, const void *x,
+                    int64_t in) {
+    lora_job *jobs = M->lora_shrinks ? scratch(3, (A->n_spans ? A->n_spans : 1) * (int64_t)sizeof *jobs) : NULL;
+    int64_t count = 0;
+    for (int64_t s = 0; jobs && s < A->n_spans; s++) {
+        const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
+        const int64_t start = A->spans[3 * s + 1], m = A->spans[3 * s + 2] - start;
+        if (!ad->shrink.fn || m <= 0) continue;
+        if (ad->shrink.kind != GEMV_BF16 || ad->shrink.k != in) {
+            jobs = NULL;
+            break;
+        }
+        jobs[count++] = (lora_job){span_rows(M, A, start, m, x, in), ad->shrink.packed,
+                                   (uint16_t *)A->mid + start * A->mid_row, m, ad->shrink.n};
+    }
+    if (jobs && ((shrinks_fn)M->lora_shrinks)(jobs, count, in, M->threads > 0 ? M->threads : 1)) return;
+    run_spans(M, A, widened, layer, projection, x, in, NULL, 0);
 }
 
 /* Whether the step's adapters of this projection can ride inside its base product W (lora_side.h): a bf16
@@ -336,7 +363,7 @@ int64_t hearth_lora_product(const Model *M, const Lora *A, float *widened, int64
     uint16_t *tiles = scratch(2, (entries ? entries : 1) * LORA_PARTS * 16 * R * sizeof *tiles);
     if (!table || !tiles) return 0;
     for (int64_t g = 0; g < groups; g++) first[g + 1] += first[g], cursor[g] = first[g];
-    run_spans(M, A, widened, layer, projection, x, W->k, NULL, 0); /* the shrinks: each span's rank vectors */
+    shrinks(M, A, widened, layer, projection, x, W->k); /* each span's rank vectors */
     for (int64_t s = 0; s < n; s++) { /* each row's rank vectors into its group's entry for its adapter */
         const Adapter *ad = adapter(A, A->spans[3 * s], layer, projection);
         if (!ad->shrink.fn) continue;

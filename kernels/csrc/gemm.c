@@ -326,3 +326,14 @@ int64_t hearth_gemm_bf16_lora(const uint16_t *x, const uint16_t *packed, const u
     (void)x, (void)packed, (void)b, (void)y, (void)m, (void)n, (void)k, (void)threads, (void)silu, (void)lora;
     return 0;
 }
+
+/* The shrinks of a projection's adapters (lora_side.h: count jobs, each rows of x times an adapter's stacked A, all
+ * of one k) in one call on AMX tiles (gemm_amx.h's amx_shrinks). 1 when done; 0 where the products are not on
+ * tiles (this build or process, or k) or out of memory: the caller runs them one at a time. */
+int64_t hearth_gemm_bf16_shrinks(const lora_job *jobs, int64_t count, int64_t k, int64_t threads) {
+#ifdef __AMX_BF16__
+    if (amx_takes(k)) return amx_shrinks(jobs, count, k, threads) == 0;
+#endif
+    (void)jobs, (void)count, (void)k, (void)threads;
+    return 0;
+}

@@ -245,3 +245,99 @@ static int amx_product_argmax(const uint16_t *x, const uint16_t *packed, const u
                               int64_t n, int64_t k, int64_t threads) {
     return amx_product(BF16_WIDE, x, packed, b, NULL, m, n, k, threads, 0, y, NULL);
 }
+
+/* Tiles 0-3 = 16 or 32 rows (x0, x1) of x times one block over all k, as amx_run, with the weights fetched from
+ * `next` on (the block the thread takes after this one, of the same size, wherever it lies) step for step into L2,
+ * and AMX_AHEAD steps on within this block into L1; no fetches with next NULL (the block is already in cache). */
+static inline __attribute__((always_inline)) void amx_run_to(int groups, const uint16_t *x0, const uint16_t *x1,
+                                                              int64_t k, const uint16_t *block, const uint16_t *next) {
+    const int64_t stride = 2 * k, steps = k / AMX_K;
+    const char *w = (const char *)block, *f = (const char *)next;
+    amx_tiles_zero();
+    for (int64_t j = 0; j < steps; j++, w += 2048) {
+        if (f) {
+            _Pragma("GCC unroll 32") for (int l = 0; l < 32; l++) _mm_prefetch(f + 2048 * j + 64 * l, _MM_HINT_T1);
+            if (j + AMX_AHEAD < steps)
+                _Pragma("GCC unroll 32") for (int l = 0; l < 32; l++)
+                    _mm_prefetch(w + AMX_AHEAD * 2048 + 64 * l, _MM_HINT_T0);
+        }
+        amx_tiles_weights(w);
+        amx_tiles_rows(0, x0 + j * AMX_K, stride);
+        if (groups == 2) amx_tiles_rows(1, x1 + j * AMX_K, stride);
+    }
+}
+
+/* An item of amx_shrinks: one block of a job's outputs by one chunk of its rows, and the work before it (in 16-row
+ * groups) of all the items before it. */
+typedef struct {
+    int64_t job, block, r0, rows, work;
+} amx_item;
+
+/* The shrinks of a projection's adapters (lora_side.h's jobs, all of one k) in one parallel region. One at a time
+ * through amx_product, each began cold: the fetches ahead start with a product, so its first 48 KB waited on
+ * memory, and those near its end ran on past it into other memory; each paid a region, a tile configuration and a
+ * zeroed copy of its rows as well, ~960 times a 32-sequence SmolLM2 step over eight rank-32 adapters. Here the
+ * jobs' items (block by chunk of rows) are split into one run of equal work per thread, and while a thread
+ * multiplies one item it fetches the next one's weights, whichever adapter they belong to. Each output is summed
+ * in the same order as amx_product sums it, so the results are its bits. 0, or -1 out of memory. */
+static int amx_shrinks(const lora_job *jobs, int64_t count, int64_t k, int64_t threads) {
+    const int64_t bytes = k * BW;
+    int64_t items = 0;
+    for (int64_t j = 0; j < count; j++)
+        items += (jobs[j].n + BW - 1) / BW * ((jobs[j].m + CHUNK_ROWS - 1) / CHUNK_ROWS);
+    amx_item *list = malloc((size_t)(items + 1) * sizeof *list);
+    if (!list) return -1;
+    int64_t at = 0, work = 0;
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t r0 = 0; r0 < jobs[j].m; r0 += CHUNK_ROWS) {
+            const int64_t rows = jobs[j].m - r0 < CHUNK_ROWS ? jobs[j].m - r0 : CHUNK_ROWS;
+            for (int64_t blk = 0; blk * BW < jobs[j].n; blk++, work += (rows + AMX_ROWS - 1) / AMX_ROWS)
+                list[at++] = (amx_item){j, blk, r0, rows, work};
+        }
+    list[items].work = work;
+    const int64_t team = threads > 0 ? threads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(team) reduction(| : failed)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t lo = work * t / nt, hi = work * (t + 1) / nt;
+        uint16_t *tail = malloc((size_t)(AMX_ROWS * k) * sizeof *tail); /* a job's last rows, zero-padded */
+        int64_t tail_job = -1;
+        amx_unit u;
+        u.up = 0, u.b = u.b_up = NULL, u.bests = NULL;
+        if (!tail) failed = 1;
+        else amx_configure();
+        for (int64_t i = 0; tail && i < items; i++) {
+            if (list[i].work < lo || list[i].work >= hi) continue;
+            const amx_item *it = &list[i];
+            const lora_job *J = &jobs[it->job];
+            const int64_t tail_from = J->m - J->m % AMX_ROWS, c0 = it->block * BW;
+            const int64_t after = i + 1 < items && list[i + 1].work < hi ? i + 1 : -1;
+            const uint16_t *block = J->packed + it->block * bytes;
+            const uint16_t *next = after >= 0 ? jobs[list[after].job].packed + list[after].block * bytes : NULL;
+            if (J->m % AMX_ROWS && tail_job != it->job) {
+                memset(tail, 0, (size_t)(AMX_ROWS * k) * sizeof *tail);
+                memcpy(tail, J->x + tail_from * k, (size_t)((J->m - tail_from) * k) * sizeof *tail);
+                TILE_LOADS_SEE_STORES();
+                tail_job = it->job;
+            }
+            const uint16_t *padded = J->m % AMX_ROWS ? tail : NULL;
+            for (int64_t g = 0; g < it->rows; g += 32) {
+                const int64_t r = it->r0 + g, here = it->rows - g < 32 ? it->rows - g : 32;
+                const uint16_t *x0 = amx_row(J->x, padded, tail_from, r, k);
+                const uint16_t *x1 = amx_row(J->x, padded, tail_from, r + AMX_ROWS, k);
+                const uint16_t *fetch = g == 0 ? next : NULL; /* the first pass over a block reads it from memory */
+                if (here > AMX_ROWS) amx_run_to(2, x0, x1, k, block, fetch);
+                else amx_run_to(1, x0, x0, k, block, fetch);
+                amx_tiles_store(here > AMX_ROWS ? 2 : 1, u.sums[0], BW);
+                u.rows = here, u.y = (char *)(J->y + r * J->n + c0);
+                u.width = J->n - c0 < BW ? J->n - c0 : BW, u.c0 = c0;
+                amx_epilogue(BF16_PAIRS, &u, J->n);
+            }
+        }
+        if (tail) _tile_release();
+        free(tail);
+    }
+    free(list);
+    return failed ? -1 : 0;
+}

@@ -30,4 +30,12 @@ typedef struct {
     int64_t stride;            /* elements between the rows of a rank-vector tile */
 } lora_side;
 
+/* One of the shrinks a projection's adapters run before it (gemm.c's hearth_gemm_bf16_shrinks): x [m, k] (rows k
+ * apart) times one adapter's stacked A, packed as gemv.c's bf16 pairs for n outputs, into y [m, n]. */
+typedef struct {
+    const uint16_t *x, *packed;
+    uint16_t *y;
+    int64_t m, n;
+} lora_job;
+
 #endif

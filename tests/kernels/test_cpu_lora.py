@@ -5,6 +5,8 @@ rows of one or two (the GEMV) and of many (the GEMM), with as many adapters as t
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -177,3 +179,45 @@ def test_adapters_inside_the_products_on_amx_tiles_add_what_the_definition_adds(
     base = Linear(torch.randn(HIDDEN, HIDDEN, dtype=dtype))
     assert rows.product(0, "o", torch.randn(8, HIDDEN, dtype=dtype),
                         cpu_decode_layer.matrix(*base.kernel_weight(), dtype, base.gemm)) is None
+
+
+class _Job(ctypes.Structure):  # csrc/lora_side.h's lora_job
+    _fields_ = [("x", ctypes.c_void_p), ("packed", ctypes.c_void_p), ("y", ctypes.c_void_p), ("m", ctypes.c_int64),
+                ("n", ctypes.c_int64)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_shrinks_in_one_call_give_each_products_bits(threads: int) -> None:
+    """hearth_gemm_bf16_shrinks (a projection's adapters' shrinks in one parallel region on AMX tiles, each thread
+    fetching its next item's weights, whichever job they belong to) against each job's own hearth_gemm_bf16: the
+    same bits, on fresh random jobs of a few rows (a decode step's spans), of rows past a tile's 16 and a chunk's 96,
+    and of outputs in part of a block, with rows around each output left as they were."""
+    if cpu_decode_layer.lora_shrinks(torch.bfloat16) is None:
+        pytest.skip("bf16 products of many rows are not on AMX tiles here (a CPU, build or process without them)")
+    lib = cpu_gemv._gemm_library()
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    for k in (64, 576):
+        shapes = [(4, 96), (1, 32), (4, 64), (17, 40), (3, 96), (130, 64), (33, 32), (4, 96)]
+        held, jobs, want = [], [], []
+        for m, n in shapes:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            w = cpu_gemv.pack((torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16))
+            y = torch.full((m + 2, n), 7.0, dtype=torch.bfloat16)  # a row either side that must stay as it is
+            one = torch.empty(m, n, dtype=torch.bfloat16)
+            lib.hearth_gemm_bf16(x.data_ptr(), w.packed.data_ptr(), None, one.data_ptr(), m, n, k, 1, None)
+            held += [x, w, y]
+            jobs.append(_Job(x.data_ptr(), w.packed.data_ptr(), y[1:].data_ptr(), m, n))
+            want.append(one)
+        array = (_Job * len(jobs))(*jobs)
+        assert lib.hearth_gemm_bf16_shrinks(ctypes.addressof(array), len(jobs), k, threads) == 1
+        for (m, n), y, one in zip(shapes, held[2::3], want, strict=True):
+            assert torch.equal(y[1:m + 1], one), (seed, k, m, n)
+            assert torch.all(y[0] == 7.0) and torch.all(y[m + 1] == 7.0), (seed, k, m, n)
+    assert lib.hearth_gemm_bf16_shrinks(ctypes.addressof(array), len(jobs), 48, threads) == 0  # k off the tiles
+
+
+def test_the_shrinks_in_one_call_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEARTH_LORA_SHRINKS", "off")
+    assert cpu_decode_layer.lora_shrinks(torch.bfloat16) is None
+    assert cpu_decode_layer.lora_shrinks(torch.float32) is None
