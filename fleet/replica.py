@@ -66,10 +66,11 @@ class EngineReplica:
             raise RuntimeError(f"the engine of {self.model} stopped")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        m = self.engine.metrics()
+        m, taken_at = self.engine.stamped_metrics()
         keys = self.engine.engine.blocks.cached_keys(SUMMARY_KEYS)
         return {"running": m.running, "waiting": m.queue_depth, "slots": self.engine.engine.config.max_num_seqs,
-                "kv_usage": m.kv_usage, "block_size": self.block_size,
+                "kv_usage": m.kv_usage, "block_size": self.block_size, "at": taken_at,
+                "prefill_tokens": m.interactive_prefill_tokens,
                 "prefix": b"".join(k[:KEY_BYTES] for k in keys), "adapters": list(m.lora_resident or ())}
 
     # ------------------------------------------------------------------ engine calls

@@ -12,6 +12,11 @@ In order of preference:
    engine's own prefix-cache hash chain).
 3. A request naming a LoRA adapter prefers a replica where that adapter is resident.
 4. Otherwise the least loaded replica.
+"Least loaded", wherever load decides (a cold first turn, rule 4), means first the fewest interactive prompt
+tokens queued there to compute, then requests in flight per slot and KV use: a new prompt waits for the prompts
+ahead of it, while requests that are only decoding cost it little (they share its steps a row each). Counting
+requests alone sent a new ~600-token prompt behind another one being computed while the other replica only
+decoded (the fleet notes of 12-07 in docs/benchmarks.md).
 Every answer is a full ranking: the caller (Ray Serve's router) falls through it when a replica refuses.
 """
 
@@ -45,11 +50,17 @@ class ReplicaState:
     prefix: frozenset[bytes] = frozenset()  # short keys of the prefix-cache groups it holds
     adapters: frozenset[str] = frozenset()  # adapters resident in its slots
     block_size: int = 16
+    prefill_tokens: int = 0  # interactive prompt tokens queued there to compute (published, plus sent since)
 
     @property
     def pressure(self) -> float:
         """Comparable across replicas of different sizes: load per slot, KV use breaking ties."""
         return self.load / max(self.slots, 1) + self.kv_usage
+
+    @property
+    def queued(self) -> tuple[int, float]:
+        """How long a new prompt would wait there, as a sort key: prompt tokens ahead of it, then pressure."""
+        return self.prefill_tokens, self.pressure
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,7 @@ class Decision:
     ranking: list[str]
     reason: str  # session | prefix | adapter | least_loaded
     matched_blocks: int = 0
+    uncached: int = 0  # prompt tokens the first choice does not hold, as far as the router knows: its work there
 
 
 class HashRing:
@@ -126,20 +138,24 @@ class Policy:
         usable = [r for r in replicas if r.id not in hint.avoid] or list(replicas)
         if not usable:
             return Decision([], "none")
-        by_load = sorted(usable, key=lambda r: (r.pressure, r.id))
+        by_load = sorted(usable, key=lambda r: (r.queued, r.id))
         cap = load_cap(usable, self.load_factor, self.load_slack)
+        keys = self._keys(hint, usable)
 
         def first(chosen: str, reason: str, matched: int = 0) -> Decision:
-            return Decision([chosen] + [r.id for r in by_load if r.id != chosen], reason, matched)
+            state = next(r for r in usable if r.id == chosen)
+            held = self._held_blocks(keys, state, routed)
+            uncached = max(0, len(hint.prompt) - held * state.block_size)
+            return Decision([chosen] + [r.id for r in by_load if r.id != chosen], reason, matched, uncached)
 
         if hint.session:
-            rid = self._session_replica(hint, usable, cap, routed)
+            rid = self._session_replica(hint, usable, cap, routed, keys)
             if rid is not None:
                 self._place(hint.session, rid)
                 return first(rid, "session")
         under_cap = [r for r in usable if r.load < cap]
         if hint.prompt and under_cap:
-            best, matched = self.longest_prefix(hint, under_cap, routed)
+            best, matched = self.longest_prefix(hint, under_cap, routed, keys)
             if best is not None:
                 return first(best.id, "prefix", matched)
         if hint.adapter:
@@ -149,17 +165,18 @@ class Policy:
         return first(by_load[0].id, "least_loaded")
 
     def _session_replica(self, hint: RouteHint, usable: Sequence[ReplicaState], cap: int,
-                         routed: PrefixMemory | None) -> str | None:
+                         routed: PrefixMemory | None, keys: Sequence[bytes]) -> str | None:
         """Where a session's request goes, or None when every replica is at the cap.
 
         A session placed before goes to the replica that served it last while that one lives and is under the
         cap, else along the ring (without a spill the two agree; after one, following the cache beats going home
         to an empty one). A session this router has not placed (a first turn, or one whose replica died, or one
         another router placed) has no cache of its own to follow: it goes where most of its prompt is cached,
-        then to the replica with the fewest requests in flight, then by the ring. A first turn usually matches
-        nothing anywhere, so load decides: the ring alone placed cold turns by hash whatever the loads, and in
-        the fleet benchmark their TTFT was the least-loaded placement's plus ~5% (docs/benchmarks.md, the
-        fleet). With equal loads the ring decides, so routers that see the same loads agree."""
+        then to the replica with the fewest prompt tokens queued, then the fewest requests in flight, then by
+        the ring. A first turn usually matches nothing anywhere, so load decides: the ring alone placed cold
+        turns by hash whatever the loads, and in the fleet benchmark their TTFT was the least-loaded placement's
+        plus ~5% (docs/benchmarks.md, the fleet). With equal loads the ring decides, so routers that see the
+        same loads agree."""
         loads = {r.id: r.load for r in usable}
         ring = self.ring(loads).walk(hint.session)
         last = self._placed.get(hint.session)
@@ -169,9 +186,9 @@ class Policy:
         open_ = [r for r in usable if r.load < cap]
         if not open_:
             return None
-        matched = self.matched_blocks(hint, open_, routed)
+        matched = self.matched_blocks(hint, open_, routed, keys)
         place = {rid: i for i, rid in enumerate(ring)}
-        return min(open_, key=lambda r: (-matched[r.id], r.load, place[r.id])).id
+        return min(open_, key=lambda r: (-matched[r.id], r.prefill_tokens, r.load, place[r.id])).id
 
     def _place(self, session: str, replica_id: str) -> None:
         self._placed[session] = replica_id
@@ -188,31 +205,42 @@ class Policy:
         for session in [s for s, rid in self._placed.items() if rid == replica_id]:
             del self._placed[session]
 
-    def matched_blocks(self, hint: RouteHint, replicas: Sequence[ReplicaState],
-                       routed: PrefixMemory | None) -> dict[str, int]:
+    def matched_blocks(self, hint: RouteHint, replicas: Sequence[ReplicaState], routed: PrefixMemory | None,
+                       keys: Sequence[bytes] | None = None) -> dict[str, int]:
         """Per replica, how many leading blocks of the prompt it holds, by its published summary or by where
         this router sent the same prefix before; runs shorter than min_prefix_blocks count as none."""
         matched = dict.fromkeys((r.id for r in replicas), 0)
         if not hint.prompt or not replicas:
             return matched
-        # As the engine does, the prompt's last token is never served from the cache.
-        keys = [short_key(k) for k in prefix_chain(hint.prompt[:-1], replicas[0].block_size, hint.extra_keys)]
+        keys = self._keys(hint, replicas) if keys is None else keys
         for r in replicas:
-            n = 0
-            for key in keys:
-                if key in r.prefix or (routed is not None and routed.holds(key, r.id)):
-                    n += 1
-                else:
-                    break
+            n = self._held_blocks(keys, r, routed)
             matched[r.id] = n if n >= self.min_prefix_blocks else 0
         return matched
 
-    def longest_prefix(self, hint: RouteHint, replicas: Sequence[ReplicaState],
-                       routed: PrefixMemory | None) -> tuple[ReplicaState | None, int]:
+    @staticmethod
+    def _keys(hint: RouteHint, replicas: Sequence[ReplicaState]) -> list[bytes]:
+        """The short keys of the prompt's full blocks. As the engine does, the last token is never cached."""
+        if not hint.prompt or not replicas:
+            return []
+        return [short_key(k) for k in prefix_chain(hint.prompt[:-1], replicas[0].block_size, hint.extra_keys)]
+
+    @staticmethod
+    def _held_blocks(keys: Sequence[bytes], replica: ReplicaState, routed: PrefixMemory | None) -> int:
+        n = 0
+        for key in keys:
+            if key in replica.prefix or (routed is not None and routed.holds(key, replica.id)):
+                n += 1
+            else:
+                break
+        return n
+
+    def longest_prefix(self, hint: RouteHint, replicas: Sequence[ReplicaState], routed: PrefixMemory | None,
+                       keys: Sequence[bytes] | None = None) -> tuple[ReplicaState | None, int]:
         """The replica holding the most leading blocks of the prompt (see matched_blocks); ties go to the less
         loaded. None where no replica holds min_prefix_blocks of it."""
-        matched = self.matched_blocks(hint, replicas, routed)
-        best = min(replicas, key=lambda r: (-matched[r.id], r.pressure), default=None)
+        matched = self.matched_blocks(hint, replicas, routed, keys)
+        best = min(replicas, key=lambda r: (-matched[r.id], r.queued), default=None)
         if best is None or matched[best.id] == 0:
             return None, 0
         return best, matched[best.id]

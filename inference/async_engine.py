@@ -15,6 +15,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ class AsyncEngine:
         self._sinks: dict[str, Sink] = {}
         self._stopped = False
         self._dead: BaseException | None = None
-        self._metrics = engine.metrics()
+        # The gauges as of the loop's last step, and when (time.time()): a fleet router adds to them only what
+        # it sent since. One tuple, so a reader never pairs one snapshot with another's time.
+        self._snapshot = (engine.metrics(), time.time())
         self._pending = 0  # submitted, not yet taken in by the loop
         # Interactive requests submitted and taken in by the loop: while the first runs ahead, the engine starts
         # the newcomers between the layers of the step in flight (this object is its FrontEnd).
@@ -91,7 +94,7 @@ class AsyncEngine:
         if self._stopped:
             raise EngineDeadError("the engine is shut down")
         self.engine.validate(request)
-        if self._metrics.queue_depth + self._pending >= self.engine.config.max_queue:
+        if self._snapshot[0].queue_depth + self._pending >= self.engine.config.max_queue:
             raise EngineOverloadedError("the engine's queue is full; retry later")
         if request.constraint is not None and grammar is None:
             grammar = self.engine.compile_constraint(request.constraint)
@@ -163,7 +166,11 @@ class AsyncEngine:
         self._wakeup.set()
 
     def metrics(self) -> EngineMetrics:
-        return self._metrics
+        return self._snapshot[0]
+
+    def stamped_metrics(self) -> tuple[EngineMetrics, float]:
+        """The gauges and the wall-clock time they were taken (after the loop's last step)."""
+        return self._snapshot
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped = True
@@ -234,12 +241,12 @@ class AsyncEngine:
             while not self._stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    self._metrics = self.engine.metrics()
+                    self._snapshot = (self.engine.metrics(), time.time())
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                self._metrics = self.engine.metrics()
+                self._snapshot = (self.engine.metrics(), time.time())
                 self.deliver(outputs)
         except BaseException as exc:  # the loop itself broke: fail every waiting caller, loudly
             log.exception("the engine loop stopped")

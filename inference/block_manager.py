@@ -303,15 +303,7 @@ class BlockManager:
         self.query_tokens += len(token_ids)
         if not self.enable_prefix_caching or seq.num_columns:
             return 0
-        max_columns = max(0, len(token_ids) - max(1, min_uncached)) // bs
-        parent: bytes | None = None
-        keys: list[bytes] = []
-        for column in range(max_columns):
-            key = block_hash(parent, token_ids[column * bs: (column + 1) * bs], extra_keys)
-            if key not in self._groups:
-                break
-            keys.append(key)
-            parent = key
+        keys = self._cached_run(token_ids, extra_keys, min_uncached)
         if not keys:
             return 0
         self._ensure_capacity(seq, len(keys))
@@ -330,6 +322,26 @@ class BlockManager:
         seq.lens[:] = reused
         self.hit_tokens += reused
         return reused
+
+    def cached_prefix(self, token_ids: Sequence[int], extra_keys: tuple = (), min_uncached: int = 1) -> int:
+        """Tokens match_prefix would reuse for this prompt now, adopting nothing and counting nothing."""
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._cached_run(token_ids, extra_keys, min_uncached)) * self.layout.block_size
+
+    def _cached_run(self, token_ids: Sequence[int], extra_keys: tuple, min_uncached: int) -> list[bytes]:
+        """The keys of the cached full blocks that start token_ids, leaving at least min_uncached (and one)."""
+        bs = self.layout.block_size
+        max_columns = max(0, len(token_ids) - max(1, min_uncached)) // bs
+        parent: bytes | None = None
+        keys: list[bytes] = []
+        for column in range(max_columns):
+            key = block_hash(parent, token_ids[column * bs: (column + 1) * bs], extra_keys)
+            if key not in self._groups:
+                break
+            keys.append(key)
+            parent = key
+        return keys
 
     def commit_full_blocks(self, seq: SeqBlocks, token_ids: Sequence[int], extra_keys: tuple = ()) -> None:
         """Key every newly completed column so later requests can reuse it."""

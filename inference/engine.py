@@ -477,6 +477,7 @@ class LLMEngine:
         return EngineMetrics(
             queue_depth=len(self.scheduler.waiting),
             interactive_waiting=self.scheduler.num_waiting_interactive,
+            interactive_prefill_tokens=self.scheduler.interactive_prefill_tokens(),
             running=len(self.scheduler.running),
             kv_blocks_total=total,
             kv_blocks_free=free,

@@ -117,3 +117,6 @@ class EngineMetrics:
     jump_forward_proposed: int = 0  # grammar-forced draft tokens, and how many verification kept
     jump_forward_accepted: int = 0
     interactive_waiting: int = 0  # of queue_depth, those of INTERACTIVE priority (BATCH ones queue behind them)
+    # Prompt tokens of interactive requests still to compute (their uncached rest): the work a new prompt
+    # queues behind, which fleet routers weigh when placing one.
+    interactive_prefill_tokens: int = 0

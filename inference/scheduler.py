@@ -110,6 +110,21 @@ class Scheduler:
         `waiting` is kept in priority order)."""
         return bisect.bisect_left(self.waiting, int(Priority.BATCH), key=lambda s: int(s.request.priority))
 
+    def interactive_prefill_tokens(self, lookups: int = 8) -> int:
+        """Prompt tokens interactive sequences still have to compute: the rest of those running, and of those
+        waiting the uncached rest (the prefix cache looked up, not adopted) for the first `lookups` and the
+        whole prompt for the others, so the count costs little after every step however long the queue."""
+        running = sum(s.num_uncomputed for s in self.running
+                      if s.priority is Priority.INTERACTIVE and s.num_uncomputed > 1)
+        waiting = 0
+        for i, seq in enumerate(self.waiting):
+            if seq.priority is not Priority.INTERACTIVE:
+                break  # the queue is in priority order
+            cached = self.blocks.cached_prefix(seq.token_ids(), seq.request.extra_keys, seq.final_chunk_min) \
+                if i < lookups and seq.num_computed == 0 else 0
+            waiting += seq.num_uncomputed - cached
+        return running + waiting
+
     # ----------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -168,12 +183,20 @@ class Scheduler:
 
     def schedule_arrivals(self) -> SchedulerOutput:
         """Interactive sequences at the head of the queue, started while another step's pass is in flight: the
-        first prompt chunk of each, from free blocks only. Nothing running is touched or preempted."""
+        first prompt chunk of each, from free blocks only. Nothing running is touched or preempted.
+
+        While another interactive prompt is being computed, only arrivals whose uncached rest fits one chunk
+        start this way (their first token comes out of this very pass). A longer one would gain nothing from
+        starting now, as its first token needs its later chunks anyway, and would split the core with the prompt
+        in flight until both finished late; it waits for the next step and its prompt follows in arrival order.
+        Short ones jumping ahead is shortest-first, which keeps mean time to first token low."""
         def fresh_interactive() -> Sequence | None:
             seq = self.waiting[0]
             # A preempted sequence (some tokens computed) waits for a regular step.
             fresh = seq.priority is Priority.INTERACTIVE and seq.num_computed == 0
-            return seq if fresh and self._adapter_ready(seq) else None
+            if not (fresh and self._adapter_ready(seq)):
+                return None
+            return seq if self._fits_one_chunk(seq) or not self._interactive_prefilling() else None
 
         out = SchedulerOutput()
         self._admit_waiting(out, self.max_num_batched_tokens, fresh_interactive)
@@ -217,10 +240,22 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
         return want
 
+    def _interactive_prefilling(self) -> bool:
+        return any(s.priority is Priority.INTERACTIVE and s.num_uncomputed > 1 for s in self.running)
+
+    def _fits_one_chunk(self, seq: Sequence) -> bool:
+        """Whether a waiting prompt's uncached rest fits one step's budget (the prefix cache looked up, not
+        adopted: a whole prompt that fits needs no lookup)."""
+        budget = self.max_num_batched_tokens
+        if seq.num_tokens <= budget:
+            return True
+        cached = self.blocks.cached_prefix(seq.token_ids(), seq.request.extra_keys, seq.final_chunk_min)
+        return seq.num_tokens - cached <= budget
+
     def _interactive_prefill_pending(self) -> bool:
         """An interactive prompt will be computed this step. A waiting one counts only if it can be admitted now:
         holding batch work for one that cannot would stall the very sequences whose blocks it waits for."""
-        if any(s.priority is Priority.INTERACTIVE and s.num_uncomputed > 1 for s in self.running):
+        if self._interactive_prefilling():
             return True
         head = self.waiting[0] if self.waiting else None
         if head is None or head.priority is not Priority.INTERACTIVE or len(self.running) >= self.max_num_seqs \

@@ -41,6 +41,7 @@ _ENGINE_GAUGES = {
     "kv_usage": "Fraction of the KV cache in use",
     "prefix_cache_hit_rate": "Fraction of prompt tokens served from the prefix cache",
     "tokens_per_s": "Generated tokens per second (recent)",
+    "interactive_prefill_tokens": "Interactive prompt tokens still to compute (what a new prompt queues behind)",
     "ttft_s_avg": "Average engine time to first token (seconds)",
     "tpot_s_avg": "Average time per output token (seconds)",
     "spec_acceptance_rate": "Fraction of speculative draft tokens the target accepted",

@@ -29,7 +29,7 @@ _SUMMED = ("queue_depth", "running", "kv_blocks_total", "kv_blocks_free", "prefi
            "tokens_per_s", "spec_proposed", "spec_accepted", "kv_compressions_total", "kv_evicted_entries_total",
            "kv_freed_blocks_total", "mid_step_admissions_total", "lora_slots", "lora_disk_loads_total",
            "lora_slot_loads_total", "grammar_compiles_total", "grammar_cache_hits_total", "jump_forward_proposed",
-           "jump_forward_accepted", "interactive_waiting")
+           "jump_forward_accepted", "interactive_waiting", "interactive_prefill_tokens")
 
 
 def combined(replicas: list[EngineMetrics]) -> EngineMetrics:

@@ -114,6 +114,92 @@ def test_without_free_blocks_an_arrival_waits_for_the_next_step(tiny_llama) -> N
     assert finished["i-0"] == _solo(tiny_llama, lambda e: _interactive(e, 0))
 
 
+def _long(engine: LLMEngine, name: str, text: str) -> GenerationRequest:
+    return GenerationRequest(engine.tokenizer.encode(text), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True),
+                             request_id=name, speculation=OFF)
+
+
+def _first_tokens(engine: LLMEngine, front: ScriptedFront,
+                  opening: list[GenerationRequest]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Run opening and the front's arrivals to the end: the step in which each request got its first token, and
+    each one's final tokens."""
+    for request in opening:
+        engine.add_request(request)
+    firsts: dict[str, int] = {}
+    finals: dict[str, list[int]] = {}
+    while engine.has_unfinished() or front.arrivals:
+        front.step += 1
+        front.calls = 0
+        for out in engine.step():
+            firsts.setdefault(out.request_id, front.step)
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    for step, out in front.delivered:
+        firsts[out.request_id] = min(firsts.get(out.request_id, step), step)
+    return firsts, finals
+
+
+LONG_A = " ".join(f"alpha {i} beta" for i in range(30))
+LONG_B = " ".join(f"gamma {i} delta" for i in range(30))
+
+
+def test_a_long_arrival_waits_while_another_interactive_prompt_is_computed(tiny_llama) -> None:
+    engine = _engine(tiny_llama)  # 32 tokens a step: each long prompt takes several
+    front = ScriptedFront(engine, {2: _long(engine, "second", LONG_B)}, on_call=2)
+    engine.front = front
+    firsts, finals = _first_tokens(engine, front, [_long(engine, "first", LONG_A)])
+    # Not started between the layers: sharing the steps would only have made the first prompt finish later.
+    assert engine.metrics().mid_step_admissions_total == 0 and front.delivered == []
+    assert firsts["first"] < firsts["second"]
+    for name, text in (("first", LONG_A), ("second", LONG_B)):
+        assert finals[name] == _solo(tiny_llama, lambda e, n=name, t=text: _long(e, n, t))
+
+
+def test_a_short_arrival_or_a_long_one_mostly_cached_still_starts_mid_step(tiny_llama) -> None:
+    engine = _engine(tiny_llama)
+    # Cache LONG_B's prompt first: an arrival that extends it has only a few uncached tokens.
+    engine.add_request(_long(engine, "warm", LONG_B))
+    while engine.has_unfinished():
+        engine.step()
+    extended = _long(engine, "extended", LONG_B + " and one more")
+    arrivals = {2: _interactive(engine, 0), 4: extended}
+    front = ScriptedFront(engine, dict(arrivals), on_call=2)
+    engine.front = front
+    firsts, _ = _first_tokens(engine, front, [_long(engine, "first", LONG_A)])
+    assert firsts["first"] > 4 and (firsts["i-0"], firsts["extended"]) == (2, 4)
+    assert engine.metrics().mid_step_admissions_total == 2
+
+
+def test_a_long_arrival_still_starts_mid_step_beside_batch_work(tiny_llama) -> None:
+    engine = _engine(tiny_llama)
+    front = ScriptedFront(engine, {3: _long(engine, "long", LONG_A)}, on_call=2)
+    engine.front = front
+    _drive(engine, front)
+    # Its first chunk ran between the layers (batch prompts sit out from then on); its first token needs more.
+    assert engine.metrics().mid_step_admissions_total == 1
+
+
+def test_the_gauge_of_queued_prompt_tokens_counts_what_is_left_to_compute(tiny_llama) -> None:
+    engine = _engine(tiny_llama)  # 32 tokens a step
+    warm = _long(engine, "warm", LONG_B)
+    engine.add_request(warm)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics().interactive_prefill_tokens == 0
+    first = _long(engine, "first", LONG_A)
+    engine.add_request(first)
+    engine.step()  # its first chunk
+    extended = _long(engine, "extended", LONG_B + " and one more")
+    fresh = _long(engine, "fresh", LONG_A + " again")  # its first two blocks are first's, computed already
+    assert extended.prompt_token_ids[:len(warm.prompt_token_ids)] == warm.prompt_token_ids
+    for request in (extended, fresh, _batch(engine)[0]):  # batch prompts are not an interactive queue
+        engine.add_request(request)
+    cached = len(warm.prompt_token_ids) // 16 * 16  # LONG_B's full blocks
+    assert engine.metrics().interactive_prefill_tokens == (len(first.prompt_token_ids) - 32) + (
+        len(extended.prompt_token_ids) - cached) + (len(fresh.prompt_token_ids) - 32)
+
+
 def test_async_engine_defers_aborts_taken_mid_step(tiny_llama) -> None:
     eng = AsyncEngine.from_model(tiny_llama, EngineConfig(dtype="float32", kv_cache_memory="16MiB"))
     in_step, release = hold_steps(eng)

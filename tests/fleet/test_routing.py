@@ -109,6 +109,31 @@ def test_a_first_turn_starts_on_the_replica_with_the_fewest_requests_in_flight()
         assert Policy().decide(RouteHint(session=session), replicas(1, 1, 1)).ranking[0] == home
 
 
+def test_a_cold_prompt_goes_where_the_fewest_prompt_tokens_are_queued() -> None:
+    # r0 computes another session's 680-token first turn; r1 only decodes three requests. Counting requests
+    # would queue the new prompt behind the long one (the fleet notes of 12-07); the tokens queued say r1.
+    state = replicas(1, 3, r0={"prefill_tokens": 680})
+    for session in sessions(10):
+        decision = Policy().decide(RouteHint(session=session, prompt=list(range(700))), state)
+        assert (decision.ranking[0], decision.reason) == ("r1", "session")
+    decision = Policy().decide(RouteHint(prompt=list(range(700))), state)
+    assert (decision.ranking, decision.reason) == (["r1", "r0"], "least_loaded")
+    # Without queued prompts anywhere, requests in flight decide as before.
+    assert Policy().decide(RouteHint(prompt=list(range(700))), replicas(1, 3)).ranking == ["r0", "r1"]
+
+
+def test_a_decision_counts_the_prompt_tokens_its_replica_does_not_hold() -> None:
+    rng = random.Random(3)
+    turn1 = [rng.randrange(1000) for _ in range(6 * BS + 5)]
+    turn2 = turn1 + [rng.randrange(1000) for _ in range(20)]
+    held = frozenset(short_key(k) for k in prefix_chain(turn1[:-1], BS))
+    decision = Policy().decide(RouteHint(prompt=turn2), replicas(0, 0, r1={"prefix": held}))
+    assert (decision.ranking[0], decision.uncached) == ("r1", len(turn2) - 6 * BS)
+    cold = Policy().decide(RouteHint(prompt=turn2), replicas(0, 0))
+    assert cold.uncached == len(turn2)
+    assert Policy().decide(RouteHint(), replicas(0, 0)).uncached == 0
+
+
 def test_a_session_another_router_placed_is_found_by_its_cached_history() -> None:
     rng = random.Random(2)
     for session in sessions(10):
@@ -188,3 +213,17 @@ def test_prefix_chain_is_the_engines_own_cache_key(seed: int) -> None:
     published = {short_key(k) for k in blocks.cached_keys(10_000)}
     chain = [short_key(k) for k in prefix_chain(tokens, BS, extra)]
     assert chain and set(chain) == published
+
+
+def test_the_router_adds_what_it_sent_since_a_replica_stamped_its_queue() -> None:
+    from fleet.router import Claim, HearthRouter
+
+    router = HearthRouter.__new__(HearthRouter)  # Serve builds it with a deployment; the state is what matters
+    router.initialize_state()
+    router._sent = {"old": Claim("r0", 500, at=100.0), "new": Claim("r0", 40, at=101.0),
+                    "elsewhere": Claim("r1", 300, at=101.0)}
+    # The replica's own figure (every router's prompts) covers what arrived before its stamp.
+    assert router._prefill_tokens("r0", {"prefill_tokens": 120, "at": 100.5}) == 160
+    assert router._prefill_tokens("r1", {"prefill_tokens": 0, "at": 102.0}) == 0
+    # A replica that stamps nothing: everything this router has in flight there.
+    assert router._prefill_tokens("r0", {}) == 540
