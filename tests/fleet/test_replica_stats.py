@@ -1,0 +1,71 @@
+"""What a replica publishes to routers, driven without Ray: the interactive prompt tokens it still has to compute,
+stamped with the time of the engine snapshot they come from (not the time Serve asked)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.replica import EngineReplica
+from inference import GenerationRequest, RequestOutput, SamplingParams
+from tests.engine.conftest import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory):
+    path: Path = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-replica"))
+    rep = EngineReplica(str(path), {"dtype": "float32", "kv_cache_memory": "16MiB", "max_num_batched_tokens": 32})
+    yield rep
+    rep.engine.shutdown()
+
+
+def _gate_steps(engine, count: int) -> tuple[list[threading.Event], list[threading.Event]]:
+    """Make each of the engine's next `count` steps wait: (entered[i]: set once the loop is in step i, go[i]: lets
+    it run). The loop takes its gauges after every step, so while step i waits they are those of step i - 1."""
+    real, calls = engine.engine.step, [0]
+    entered = [threading.Event() for _ in range(count)]
+    go = [threading.Event() for _ in range(count)]
+
+    def gated():
+        i = calls[0]
+        calls[0] += 1
+        if i < count:
+            entered[i].set()
+            go[i].wait(10)
+        return real()
+
+    engine.engine.step = gated
+    return entered, go
+
+
+def test_the_published_queue_of_prompt_tokens_and_its_stamp(replica: EngineReplica) -> None:
+    idle = replica.record_routing_stats()
+    assert idle["prefill_tokens"] == 0 and idle["at"] <= time.time()
+    engine = replica.engine
+    entered, go = _gate_steps(engine, 2)
+    outputs: list[RequestOutput] = []
+    done = threading.Event()
+    prompt = engine.encode(" ".join(f"word {i}" for i in range(40)), raw=True)
+    try:
+        sent_at = time.time()
+        engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)),
+                      lambda out: (outputs.append(out), out.finished and done.set()))
+        assert entered[0].wait(10)
+        # Before the request's first step the snapshot predates it, and so does its stamp: a router adds what it
+        # sent since (this request) instead of losing it between the two.
+        before = replica.record_routing_stats()
+        assert before["prefill_tokens"] == 0 and before["at"] < sent_at
+        go[0].set()
+        assert entered[1].wait(10)
+        # After the first 32-token chunk: the rest, stamped after the request was sent.
+        after = replica.record_routing_stats()
+        assert (after["prefill_tokens"], after["at"] > sent_at) == (len(prompt) - 32, True)
+        go[1].set()
+        assert done.wait(30) and outputs[-1].finished
+        assert replica.record_routing_stats()["prefill_tokens"] == 0
+    finally:
+        for event in go:
+            event.set()
