@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.adapters import DISK_MB_ENV, budget_bytes
+
 log = logging.getLogger("fleet")
 
 NAMESPACE = "hearth"
@@ -78,7 +80,9 @@ def build(spec: ModelDeployment) -> Any:
 
     from fleet.replica import EmbedderReplica, EngineReplica
 
-    env = {k: os.environ[k] for k in ("HEARTH_DATA_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if k in os.environ}
+    budget_bytes(DISK_MB_ENV, 1)  # a bad budget fails the deploy here, not every replica's start
+    env = {k: os.environ[k] for k in ("HEARTH_DATA_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", DISK_MB_ENV)
+           if k in os.environ}
     actor = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus, "runtime_env": {"env_vars": env}}
     slots = int(spec.engine_settings.get("max_num_seqs", 64))
     scale: dict[str, Any] = ({"autoscaling_config": spec.autoscaling} if spec.autoscaling

@@ -24,7 +24,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from fleet.actors import actor_label
-from fleet.adapters import AdapterBundle, digest, read_files
+from fleet.adapters import CACHE_MB_ENV, AdapterBundle, BundleCache, budget_bytes
 from fleet.app import DEPLOYMENT, app_name, connect
 from fleet.routing import RouteHint
 from inference import EngineMetrics, GenerationRequest, ModelInfo, RequestOutput
@@ -33,6 +33,9 @@ from inference.errors import EngineDeadError, EngineError, EngineLostError, Mode
 
 log = logging.getLogger("fleet.client")
 METRICS_EVERY_S = 2.0
+# Adapters this process keeps in the object store (MiB), the least recently used dropped past it and put again
+# when asked for: a control plane serving many tenants' adapters must not pin every one it ever sent.
+ADAPTER_CACHE_MB = 1024
 ANYWHERE = RouteHint()  # no session, prompt or adapter: the least loaded replica
 LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
 
@@ -80,12 +83,12 @@ def _engine_error(exc: BaseException) -> BaseException:
 
 
 class FleetClient:
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, adapter_cache_bytes: int | None = None) -> None:
         connect(address)
         self._handles: dict[str, Any] = {}
         self._char_limits: dict[str, tuple[int, int]] = {}
         self._infos: dict[str, ModelInfo] = {}
-        self._bundles: dict[str, AdapterBundle] = {}
+        self.adapters = BundleCache(adapter_cache_bytes or budget_bytes(CACHE_MB_ENV, ADAPTER_CACHE_MB), ray.put)
         self._lock = threading.Lock()
         self._metrics: dict[tuple[str, str], ReplicaMetrics] = {}
         self._stop = threading.Event()
@@ -150,12 +153,7 @@ class FleetClient:
         lora = request.lora
         if lora is None:
             return None
-        bundle = self._bundles.get(lora.name)
-        if bundle is None:
-            files = await asyncio.to_thread(read_files, lora.path)
-            bundle = AdapterBundle(lora.name, digest(files), ray.put(files))
-            self._bundles[lora.name] = bundle
-        return bundle
+        return self.adapters.cached(lora.name) or await asyncio.to_thread(self.adapters.get, lora.name, lora.path)
 
     @staticmethod
     def _hint(request: GenerationRequest, session: str) -> RouteHint:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from fleet.adapters import AdapterBundle, materialize
+from fleet.adapters import DISK_MB_ENV, AdapterBundle, LocalAdapters, budget_bytes
 from fleet.routing import KEY_BYTES, RouteHint
 from inference import (
     AsyncEngine,
@@ -30,6 +30,7 @@ from inference.models.bert import Embedder
 from inference.prompts import prompt_char_limit
 
 log = logging.getLogger("fleet.replica")
+ADAPTER_DISK_MB = 4096  # adapters a node keeps on disk, the least recently used removed past it
 SUMMARY_KEYS = 8192  # prefix-cache keys published per stats period (newest first): 64 KiB
 
 
@@ -57,6 +58,7 @@ class EngineReplica:
         self.engine = AsyncEngine.from_model(model, EngineConfig.from_settings(engine_settings))
         self.name = replica_name()
         self.block_size = self.engine.engine.config.block_size
+        self.adapters = LocalAdapters(adapter_root(), budget_bytes(DISK_MB_ENV, ADAPTER_DISK_MB))
         log.info("replica %s of %s ready", self.name, model)
 
     # ------------------------------------------------------------------ Serve hooks
@@ -96,7 +98,7 @@ class EngineReplica:
             return request
         import ray
 
-        folder = await asyncio.to_thread(materialize, adapter, adapter_root(), ray.get)
+        folder = await asyncio.to_thread(self.adapters.folder, adapter, ray.get)
         # Assigned, not replaced: the request's prefix-cache keys already name the adapter, exactly once.
         request.lora = LoRARequest(adapter.name, folder)
         return request
