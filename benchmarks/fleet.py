@@ -9,7 +9,8 @@ each on freshly deployed replicas (empty caches), in alternating rounds:
 - `default`: 2 replicas behind Ray Serve's own router (power of two choices);
 - `affinity`: 2 replicas behind HearthRouter, each request carrying its session (x-session-affinity);
 - `prefix`: 2 replicas behind HearthRouter, no session: placed by the longest cached prefix.
-Also the per-request overhead of the Ray path against an engine in this process (1-token requests, alternating).
+Also the per-request overhead of the Ray path against an engine in this process (1-token chat requests from their
+messages: encoded, then generated; alternating).
 """
 
 from __future__ import annotations
@@ -111,26 +112,29 @@ async def _workload(client: Any, tokenizer: Any, app: str, sessions: int, turns:
             "prompt_tokens": sum(r["prompt"] for r in rows)}
 
 
-async def _overhead(client: Any, tokenizer: Any, app: str, n: int) -> dict[str, float]:
-    """Median latency of 1-token requests on the fleet and on an engine in this process, alternating."""
+async def _overhead(client: Any, app: str, n: int) -> dict[str, float]:
+    """Median latency of 1-token chat requests on the fleet and on an engine in this process, alternating, each
+    from its messages: encoded (on the fleet as `RayBackend` does, in process in a worker thread as
+    `InProcessBackend` does), then generated."""
     import torch
 
     from inference import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
-    from inference.prompts import encode_prompt
 
     torch.set_num_threads(1)  # as each replica (num_cpus=1)
     local = AsyncEngine.from_model(MODEL, EngineConfig.from_settings(ENGINE))
+    params = SamplingParams(max_tokens=1, temperature=0)
     ray_ms, local_ms = [], []
     try:
         for i in range(n + 3):
-            ids = encode_prompt(tokenizer, prompt=f"Ping {i}: reply with one word.")
+            messages = [{"role": "user", "content": f"Ping {i}: reply with one word."}]
             for target, sink in ((client, ray_ms), (local, local_ms)):
-                request = GenerationRequest(prompt_token_ids=ids, params=SamplingParams(max_tokens=1, temperature=0))
                 started = time.perf_counter()
                 if target is client:
-                    await client.generate(app, request)
+                    ids = await client.encode(app, messages=messages)
+                    await client.generate(app, GenerationRequest(prompt_token_ids=ids, params=params))
                 else:
-                    await local.generate(request)
+                    ids = await asyncio.to_thread(local.encode, messages=messages)
+                    await local.generate(GenerationRequest(prompt_token_ids=ids, params=params))
                 if i >= 3:  # the first few warm both paths
                     sink.append((time.perf_counter() - started) * 1000)
     finally:
@@ -162,7 +166,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 app = f"bench-{name}-{i}"
                 _deploy(app, replicas, router)
                 results[name].append(asyncio.run(_workload(client, tokenizer, app, sessions, turns, use_session)))
-        overhead = asyncio.run(_overhead(client, tokenizer, app, 10 if quick else 30))
+        overhead = asyncio.run(_overhead(client, app, 10 if quick else 30))
     finally:
         client.close()
         from ray import serve
@@ -201,7 +205,7 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{row['later_ttft_p95_ms']:.0f} | {default_later / row['later_ttft_mean_ms']:.2f}x | "
                      f"{row['tokens_per_s']:.1f} |")
     o = r["overhead"]
-    lines += ["", f"Per-request overhead of the Ray path (1-token requests, alternating with an engine in the "
-              f"benchmark process): fleet {o['ray_ms']:.1f} ms, in process {o['local_ms']:.1f} ms, median "
+    lines += ["", f"Per-request overhead of the Ray path (1-token chat requests, encoded then generated, alternating "
+              f"with an engine in the benchmark process): fleet {o['ray_ms']:.1f} ms, in process {o['local_ms']:.1f} ms, median "
               f"difference {o['overhead_ms']:.1f} ms."]
     return "\n".join(lines)

@@ -84,6 +84,10 @@ class EngineReplica:
                      tools: list | None = None, route: RouteHint | None = None) -> list[int]:
         return await asyncio.to_thread(self.engine.encode, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
+    async def tokenizer(self, route: RouteHint | None = None) -> Any:
+        """The engine's tokenizer, for a caller that encodes its requests itself (fleet.client does)."""
+        return await asyncio.to_thread(self.engine.tokenizer_copy)
+
     async def char_limit(self, route: RouteHint | None = None) -> tuple[int, int]:
         """Characters past which no prompt fits the context, and the context length."""
         engine = self.engine

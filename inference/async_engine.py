@@ -73,6 +73,11 @@ class AsyncEngine:
         with self._tokenizer_lock:
             return encode_prompt(self.tokenizer, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
+    def tokenizer_copy(self) -> Any:
+        """A copy of the callers' tokenizer (chat template included), for a process that encodes elsewhere."""
+        with self._tokenizer_lock:
+            return copy.deepcopy(self.tokenizer)
+
     async def compile_constraint(self, constraint: Constraint) -> CompiledGrammar:
         """Compile (or find cached) a constraint's grammar in a worker thread; InvalidRequestError names what is
         wrong with it. Callers that build requests ahead (the control plane) refuse bad ones here."""

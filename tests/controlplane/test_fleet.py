@@ -253,6 +253,31 @@ def test_a_batch_finishes_exactly_once_when_a_replica_dies(fleet, live, batch_wo
     assert "lost its replica" in caplog.text
 
 
+async def test_requests_are_encoded_here_with_the_replicas_tokenizer(fleet):
+    """The control plane encodes with a copy of the replicas' tokenizer, so a request costs the fleet one call,
+    not two: the same ids as a replica's own encode (prompts, raw prompts, chats, tools) and the same refusals."""
+    from fleet.client import LocalTokenizer
+    from inference.errors import InvalidRequestError
+
+    client = fleet.client
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    cases = [{"prompt": "Tell me a story about a lighthouse."}, {"prompt": "plain text, no template", "raw": True},
+             {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi there"}]},
+             {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [weather]}]
+    for kwargs in cases:
+        here = await client.encode(CHAT_MODEL, **kwargs)
+        there = await client._call_again_if_lost(CHAT_MODEL, "encode", **kwargs)  # on a replica
+        assert here == there and len(here) > 3
+    assert isinstance(client._tokenizers[CHAT_MODEL][0], LocalTokenizer)
+    for bad in ({"messages": [{"role": "wizard", "content": "x"}]}, {"prompt": ""}, {"prompt": "a", "messages": []}):
+        with pytest.raises(InvalidRequestError) as here_error:
+            await client.encode(CHAT_MODEL, **bad)
+        with pytest.raises(InvalidRequestError) as there_error:
+            await client._call_again_if_lost(CHAT_MODEL, "encode", **bad)
+        assert str(here_error.value) == str(there_error.value)
+
+
 async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_path):
     """No replica reads the web server's disk: the adapter's bytes travel by digest, are verified, cached on the
     replica's node, and give the same greedy tokens as the adapter loaded locally."""

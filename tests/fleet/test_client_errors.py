@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
 
 import pytest
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from fleet.actors import note_actor
-from fleet.client import FleetClient, ReplicaLostError, _engine_error
+from fleet.client import TOKENIZER_RETRY_S, FleetClient, ReplicaLostError, _engine_error
 from inference.errors import EngineDeadError, EngineOverloadedError
 
 DIED = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:hearth-smollm2:engine\n"
@@ -50,12 +54,27 @@ def test_the_engines_own_errors_pass_through_and_others_are_a_dead_engine() -> N
     assert _engine_error(plain) is plain
 
 
+class _Response:
+    """What a handle's call returns: awaited on an event loop, or `result()` from a worker thread."""
+
+    def __init__(self, answer: Callable[[], Coroutine[Any, Any, object]]) -> None:
+        self._answer = answer
+
+    def __await__(self) -> Generator[Any, None, object]:
+        return self._answer().__await__()
+
+    def result(self, timeout_s: float | None = None) -> object:
+        return asyncio.run(asyncio.wait_for(self._answer(), timeout_s))
+
+
 class _DyingHandle:
     """A deployment handle whose replica dies under the first call of each method (Ray's own error, as a
-    killed replica raises it); later calls answer. Records each call's route."""
+    killed replica raises it); later calls answer (`answers` maps a method to its answer). Records each call's
+    route."""
 
-    def __init__(self) -> None:
+    def __init__(self, answers: dict[str, object] | None = None) -> None:
         self.routes: list[tuple[str, object]] = []
+        self.answers = answers or {}
 
     def __getattr__(self, method: str) -> object:
         handle = self
@@ -68,16 +87,60 @@ class _DyingHandle:
                 async def answer() -> object:
                     if first:
                         raise RayActorError(error_msg=DIED)
+                    if method in handle.answers:
+                        found = handle.answers[method]
+                        if isinstance(found, BaseException):
+                            raise found
+                        return found
                     return (method, args, {k: v for k, v in kwargs.items() if k != "route"})
 
-                return answer()
+                return _Response(answer)
 
         return _Method()
 
 
+def _client(handle: object, tokenizer_fetched: bool = False) -> FleetClient:
+    """A client with no cluster: the handle stands in for Serve's. `tokenizer_fetched`: as if the replicas
+    could not give their tokenizer a moment ago, so requests are encoded on them."""
+    client = FleetClient.__new__(FleetClient)
+    client._handles, client._infos, client._char_limits = {"m": handle}, {}, {}
+    client._lock, client._tokenizer_gates = threading.Lock(), {}
+    client._tokenizers = {"m": (None, time.monotonic())} if tokenizer_fetched else {}
+    return client
+
+
+class _Words:
+    """Just enough of a tokenizer for a raw prompt: one id per word."""
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [len(word) for word in text.split()]}
+
+
+def test_the_tokenizer_is_fetched_once_away_from_a_dead_replica_and_requests_are_encoded_here() -> None:
+    handle = _DyingHandle({"tokenizer": _Words()})
+    client = _client(handle)
+    assert asyncio.run(client.encode("m", prompt="one three", raw=True)) == [3, 5]
+    assert asyncio.run(client.encode("m", prompt="a bb ccc", raw=True)) == [1, 2, 3]
+    assert [(name, route.avoid) for name, route in handle.routes] == [
+        ("tokenizer", frozenset()), ("tokenizer", frozenset({"mxfgth0q"}))]  # nothing encoded on a replica
+
+
+def test_replicas_that_give_no_tokenizer_encode_until_the_fetch_is_tried_again() -> None:
+    old = RayTaskError("tokenizer", "traceback", AttributeError("EngineReplica has no attribute 'tokenizer'"))
+    handle = _DyingHandle({"tokenizer": old})
+    client = _client(handle)
+    assert asyncio.run(client.encode("m", prompt="hi", raw=True)) == ("encode", (), {"prompt": "hi", "raw": True})
+    asyncio.run(client.encode("m", prompt="again", raw=True))
+    assert [name for name, _ in handle.routes].count("tokenizer") == 2  # the death's retry, then no more
+    handle.answers["tokenizer"] = _Words()  # the update finished
+    client._tokenizers["m"] = (None, time.monotonic() - TOKENIZER_RETRY_S - 1)
+    assert asyncio.run(client.encode("m", prompt="a bb", raw=True)) == [1, 2]
+
+
 def test_calls_that_change_nothing_are_tried_again_away_from_a_dead_replica() -> None:
-    client = FleetClient.__new__(FleetClient)  # no cluster: the handle stands in for Serve's
-    client._handles, client._infos, client._char_limits = {"m": _DyingHandle()}, {}, {}
+    client = _client(_DyingHandle(), tokenizer_fetched=True)
     handle = client._handles["m"]
     got = asyncio.run(client.encode("m", prompt="hello", raw=True))
     assert got == ("encode", (), {"prompt": "hello", "raw": True})
@@ -92,9 +155,11 @@ def test_calls_that_change_nothing_are_tried_again_away_from_a_dead_replica() ->
                 def remote(self, *args: object, **kwargs: object) -> object:
                     async def fail() -> object:
                         raise RayActorError(error_msg=DIED)
-                    return fail()
+                    return _Response(fail)
             return _Method()
 
     client._handles["m"] = _AlwaysDead()
     with pytest.raises(ReplicaLostError):
         asyncio.run(client.encode("m", prompt="hello"))
+    with pytest.raises(ReplicaLostError):  # the same where the tokenizer's fetch loses two replicas
+        asyncio.run(_client(_AlwaysDead()).encode("m", prompt="hello"))
