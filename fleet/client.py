@@ -15,6 +15,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +42,7 @@ ADAPTER_CACHE_MB = 1024
 ANYWHERE = RouteHint()  # no session, prompt or adapter: the least loaded replica
 TOKENIZER_RETRY_S = 60.0  # after a replica could not give its tokenizer, its replicas encode until then
 TOKENIZER_WAIT_S = 60.0  # a replica that sends no tokenizer by then is taken as giving none
+COMPILED_KEPT = 4096  # constraints per model known to compile, the least recently used forgotten
 LOST = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
 
 
@@ -109,6 +111,7 @@ class FleetClient:
         # model -> its tokenizer here, or None (and when) if its replicas could not give one
         self._tokenizers: dict[str, tuple[LocalTokenizer | None, float]] = {}
         self._tokenizer_gates: dict[str, threading.Lock] = {}
+        self._compiled: dict[str, OrderedDict[str, None]] = {}  # model -> keys of constraints that compiled
         self._infos: dict[str, ModelInfo] = {}
         self.adapters = BundleCache(adapter_cache_bytes or budget_bytes(CACHE_MB_ENV, ADAPTER_CACHE_MB), ray.put)
         self._lock = threading.Lock()
@@ -212,7 +215,21 @@ class FleetClient:
             return local
 
     async def compile(self, model: str, constraint: Constraint) -> None:
+        """Refuse a bad constraint before its request goes out (the replica's InvalidRequestError). One that
+        compiled for this model is not sent again: a compile depends only on the constraint's content and the
+        model, the replica that generates compiles it there if it has not yet (this check ran wherever Serve
+        sent it), and agents send the same tools every turn. Refusals are asked again each time."""
+        key = constraint.key
+        with self._lock:
+            known = self._compiled.setdefault(model, OrderedDict())
+            if key in known:
+                known.move_to_end(key)
+                return
         await self._call_again_if_lost(model, "compile", constraint)
+        with self._lock:
+            known[key] = None
+            while len(known) > COMPILED_KEPT:
+                known.popitem(last=False)
 
     async def _bundle(self, request: GenerationRequest) -> AdapterBundle | None:
         lora = request.lora

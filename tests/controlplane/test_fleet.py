@@ -278,6 +278,27 @@ async def test_requests_are_encoded_here_with_the_replicas_tokenizer(fleet):
         assert str(here_error.value) == str(there_error.value)
 
 
+async def test_constraints_are_checked_on_the_fleet_before_their_requests(fleet):
+    """A bad grammar is refused by a replica's compile, every time it is sent; a good one compiles once for the
+    model and then constrains generations wherever they are routed."""
+    from inference import GenerationRequest, SamplingParams
+    from inference.constrained import Constraint
+    from inference.errors import InvalidRequestError
+
+    client = fleet.client
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            await client.compile(CHAT_MODEL, Constraint.regex("(unclosed"))
+    digits = Constraint.regex("[0-9]{4}")
+    await client.compile(CHAT_MODEL, digits)
+    await client.compile(CHAT_MODEL, digits)  # known: no call
+    assert digits.key in client._compiled[CHAT_MODEL]
+    outs = [await client.generate(CHAT_MODEL, GenerationRequest(
+        prompt_token_ids=list(range(60 + i, 90 + i)), params=SamplingParams(max_tokens=8, temperature=0),
+        constraint=digits)) for i in range(4)]
+    assert all(out.text.isdigit() and len(out.text) == 4 for out in outs)
+
+
 async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_path):
     """No replica reads the web server's disk: the adapter's bytes travel by digest, are verified, cached on the
     replica's node, and give the same greedy tokens as the adapter loaded locally."""

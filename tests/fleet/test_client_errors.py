@@ -104,7 +104,7 @@ def _client(handle: object, tokenizer_fetched: bool = False) -> FleetClient:
     could not give their tokenizer a moment ago, so requests are encoded on them."""
     client = FleetClient.__new__(FleetClient)
     client._handles, client._infos, client._char_limits = {"m": handle}, {}, {}
-    client._lock, client._tokenizer_gates = threading.Lock(), {}
+    client._lock, client._tokenizer_gates, client._compiled = threading.Lock(), {}, {}
     client._tokenizers = {"m": (None, time.monotonic())} if tokenizer_fetched else {}
     return client
 
@@ -163,3 +163,24 @@ def test_calls_that_change_nothing_are_tried_again_away_from_a_dead_replica() ->
         asyncio.run(client.encode("m", prompt="hello"))
     with pytest.raises(ReplicaLostError):  # the same where the tokenizer's fetch loses two replicas
         asyncio.run(_client(_AlwaysDead()).encode("m", prompt="hello"))
+
+
+def test_a_constraint_that_compiled_is_not_sent_again_and_a_refused_one_is() -> None:
+    from inference.constrained import Constraint
+    from inference.errors import InvalidRequestError
+
+    bad = Constraint.regex("(")
+    refused = RayTaskError("compile", "traceback", InvalidRequestError("the regex does not compile"))
+    handle = _DyingHandle()
+    client = _client(handle)
+    good, other = Constraint.regex("[a-z]+"), Constraint.json_object()
+    for constraint in (good, good, other, good, other):
+        asyncio.run(client.compile("m", constraint))
+    # good: lost its replica, then compiled elsewhere; other: compiled; then neither is sent again
+    assert [(name, route.avoid) for name, route in handle.routes] == [
+        ("compile", frozenset()), ("compile", frozenset({"mxfgth0q"})), ("compile", frozenset())]
+    handle.answers["compile"] = refused
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            asyncio.run(client.compile("m", bad))
+    assert len(handle.routes) == 5
