@@ -253,8 +253,14 @@ class FleetClient:
         that the caller has text it cannot take back, and the loss is raised."""
         bundle = await self._bundle(request)
         route, begun = self._hint(request, session), False
+        handle = self.handle(model).options(stream=True)
+        if bundle is None:
+            # Serve's gRPC path carries a stream's items for less than Ray's generator returns do: 16 streams of
+            # 128 tokens on 2 replicas ran at 0.92x the tokens/s of the same requests unstreamed, against 0.83x.
+            # An adapter's bundle holds an ObjectRef, which only the path by reference counts as in use.
+            handle = handle.options(_by_reference=False)
         for attempt in (1, 2):
-            responses = self.handle(model).options(stream=True).stream.remote(request, route=route, adapter=bundle)
+            responses = handle.stream.remote(request, route=route, adapter=bundle)
             try:
                 async for out in responses:
                     begun = True

@@ -17,6 +17,15 @@ class PromptTooLongError(InvalidRequestError):
         self.prompt_tokens = prompt_tokens
         self.limit = limit
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled whole, so a fleet replica's refusal reaches the control plane as itself (a 4xx with its
+        # figures): by default an exception pickles its message alone and this __init__ then refuses to rebuild.
+        return _prompt_too_long, (str(self), self.prompt_tokens, self.limit)
+
+
+def _prompt_too_long(message: str, prompt_tokens: int, limit: int) -> PromptTooLongError:
+    return PromptTooLongError(message, prompt_tokens=prompt_tokens, limit=limit)
+
 
 class ModelNotFoundError(EngineError, LookupError):
     """No bundled model by that name is installed and no checkpoint directory exists at that path."""
@@ -28,7 +37,6 @@ class EngineOverloadedError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop stopped after an internal failure; no further requests are served."""
-
 
 
 class EngineLostError(EngineDeadError):

@@ -278,6 +278,25 @@ async def test_requests_are_encoded_here_with_the_replicas_tokenizer(fleet):
         assert str(here_error.value) == str(there_error.value)
 
 
+async def test_an_engine_refusal_on_a_replica_reaches_the_caller_as_itself(fleet):
+    """A replica's PromptTooLongError (its context is smaller than the prompt) arrives with its figures, whether
+    the request streams (Serve's gRPC path) or not (Ray's task path): a 4xx for the control plane, not a 500."""
+    from inference import GenerationRequest, SamplingParams
+    from inference.errors import PromptTooLongError
+
+    client = fleet.client
+    _, window = await client.char_limit(CHAT_MODEL)  # the replicas' context
+    request = GenerationRequest(prompt_token_ids=[100 + i % 200 for i in range(window + 5)],
+                                params=SamplingParams(max_tokens=4))
+    with pytest.raises(PromptTooLongError) as plain:
+        await client.generate(CHAT_MODEL, request)
+    with pytest.raises(PromptTooLongError) as streamed:
+        async for _ in client.stream(CHAT_MODEL, request):
+            pass
+    for refused in (plain.value, streamed.value):
+        assert refused.prompt_tokens == window + 5 and refused.limit < window + 5
+
+
 async def test_constraints_are_checked_on_the_fleet_before_their_requests(fleet):
     """A bad grammar is refused by a replica's compile, every time it is sent; a good one compiles once for the
     model and then constrains generations wherever they are routed."""
