@@ -5,7 +5,8 @@ control plane answers 503 and batch items are given back and run again). A non-s
 once first, routed away from the replica that died (named in Ray's error, or known to the router by its actor
 id), so the retry lands on a live one; so are streams that lost their replica before their first output, and
 the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's compile),
-which a request makes before it generates.
+which a request makes before it generates. Whatever else Ray, Serve or gRPC raise on the way ends the request
+with EngineUnreachableError (a 503 to retry), never as an error the control plane does not know.
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import grpc
 import ray
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-from ray.serve.exceptions import DeploymentUnavailableError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+    TaskCancelledError,
+)
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from fleet.actors import actor_label
 from fleet.adapters import CACHE_MB_ENV, AdapterBundle, BundleCache, budget_bytes
@@ -31,7 +40,14 @@ from fleet.app import DEPLOYMENT, app_name, connect
 from fleet.routing import RouteHint
 from inference import EngineMetrics, GenerationRequest, ModelInfo, RequestOutput
 from inference.constrained import Constraint
-from inference.errors import EngineDeadError, EngineError, EngineLostError, ModelNotFoundError
+from inference.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineLostError,
+    EngineOverloadedError,
+    EngineUnreachableError,
+    ModelNotFoundError,
+)
 from inference.prompts import encode_prompt
 
 log = logging.getLogger("fleet.client")
@@ -75,7 +91,10 @@ class ReplicaMetrics:
 
 
 def _engine_error(exc: BaseException) -> BaseException:
-    """The engine's own error inside a Ray wrapper, or ReplicaLostError for a replica that went away."""
+    """The engine's own error inside a Ray wrapper, ReplicaLostError for a replica that went away, and
+    EngineUnreachableError for the rest of what Ray or Serve raise on the way (the control plane's 503, a batch
+    item given back): on Serve's gRPC path a call ended by any code but UNAVAILABLE or CANCELLED comes as gRPC's
+    own error, which would otherwise reach the caller as an unknown one (a 500). A cancellation stays one."""
     if isinstance(exc, RayTaskError):
         cause = exc.cause
         if isinstance(cause, EngineError):
@@ -85,7 +104,22 @@ def _engine_error(exc: BaseException) -> BaseException:
         return EngineDeadError(f"the replica failed the request: {cause!r}")
     if isinstance(exc, LOST):
         return _lost(exc)
+    if isinstance(exc, TaskCancelledError):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return EngineOverloadedError(f"the model's replicas hold as many requests as they queue: {exc}")
+    if isinstance(exc, grpc.RpcError | RayError | RayServeException):
+        described = _describe(exc)
+        log.warning("a fleet call failed on its way (%s)", described)
+        return EngineUnreachableError(f"the call to the fleet failed on its way: {described}")
     return exc
+
+
+def _describe(exc: BaseException) -> str:
+    """gRPC's status and details where it has them (its str() is a multi-line debug dump)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"gRPC {exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class LocalTokenizer:

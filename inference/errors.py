@@ -42,3 +42,8 @@ class EngineDeadError(EngineError):
 class EngineLostError(EngineDeadError):
     """The engine serving a request went away mid-request (a fleet replica died and is being replaced): the
     request may be sent again, and lands on a live engine."""
+
+
+class EngineUnreachableError(EngineLostError):
+    """The way to the engine failed, not the engine (a fleet call ended by its transport or by Serve itself): the
+    request may or may not have run there, and may be sent again."""

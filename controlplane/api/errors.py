@@ -18,6 +18,7 @@ from inference.errors import (
     EngineError,
     EngineLostError,
     EngineOverloadedError,
+    EngineUnreachableError,
     InvalidRequestError,
     ModelNotFoundError,
     PromptTooLongError,
@@ -213,7 +214,9 @@ def from_engine(exc: EngineError, model: str) -> ApiError:
     if isinstance(exc, EngineOverloadedError):
         return out_of_capacity()
     if isinstance(exc, EngineLostError):
-        error = unavailable(f"The replica serving {model} went away during the request; retry it")
+        error = unavailable(f"The fleet could not reach the engine for {model}; retry the request"
+                            if isinstance(exc, EngineUnreachableError)
+                            else f"The replica serving {model} went away during the request; retry it")
         error.headers.update(retry_headers(1.0))
         return error
     if isinstance(exc, EngineDeadError):

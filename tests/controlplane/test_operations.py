@@ -16,7 +16,14 @@ from django.contrib.auth import get_user_model
 from django.urls import reverse
 
 from controlplane.api.errors import from_engine
-from inference.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from inference.errors import (
+    EngineDeadError,
+    EngineLostError,
+    EngineOverloadedError,
+    EngineUnreachableError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 
 pytestmark = pytest.mark.django_db
 REPO = Path(__file__).resolve().parents[2]
@@ -116,11 +123,17 @@ def test_admin_creates_a_key_through_the_service_and_shows_the_secret_once(clien
     (InvalidRequestError("bad"), 400, 5006),
     (EngineOverloadedError("full"), 429, 3040),
     (EngineDeadError("dead"), 503, 5001),
+    (EngineLostError("the replica died"), 503, 5001),
+    (EngineUnreachableError("gRPC INTERNAL"), 503, 5001),
 ])
 def test_engine_errors_map_to_workers_ai_codes(exc, status, code):
     error = from_engine(exc, CHAT_MODEL)
     assert (error.status, error.code) == (status, code)
     assert error.openai_response().status_code == (400 if code == 3006 else status)
+    if status == 503:  # what a retry can mend says so, with when to retry; a stopped engine needs its operator
+        retry = isinstance(exc, EngineLostError)
+        assert ("Retry-After" in error.headers, "retry" in error.message) == (retry, retry)
+        assert ("operator" in error.message) == (not retry)
 
 
 @pytest.mark.once  # subprocesses reading settings: the database under test changes nothing here

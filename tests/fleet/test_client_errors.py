@@ -8,13 +8,16 @@ import time
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
+import grpc
 import pytest
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from fleet.actors import note_actor
 from fleet.client import TOKENIZER_RETRY_S, FleetClient, ReplicaLostError, _engine_error
-from inference.errors import EngineDeadError, EngineOverloadedError
+from inference import GenerationRequest
+from inference.errors import EngineDeadError, EngineOverloadedError, EngineUnreachableError
 
 DIED = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:hearth-smollm2:engine\n"
         "\tactor_id: 7ee8f67c0d6e9b7b1fe9c2fd01000000\n\tpid: 10133\n"
@@ -184,3 +187,80 @@ def test_a_constraint_that_compiled_is_not_sent_again_and_a_refused_one_is() -> 
         with pytest.raises(InvalidRequestError):
             asyncio.run(client.compile("m", bad))
     assert len(handle.routes) == 5
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """What Serve's gRPC path raises for a call ended by any code but UNAVAILABLE or CANCELLED."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def test_what_ray_and_serve_raise_on_the_way_is_a_retryable_503_and_a_cancellation_stays_one() -> None:
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN):
+        mapped = _engine_error(_rpc_error(code, "stream terminated"))
+        assert type(mapped) is EngineUnreachableError, mapped
+        assert f"gRPC {code.name}: stream terminated" in str(mapped)
+    assert type(_engine_error(ObjectLostError("ab" * 14, None, ""))) is EngineUnreachableError
+    assert isinstance(_engine_error(BackPressureError(num_queued_requests=9, max_queued_requests=8)),
+                      EngineOverloadedError)
+    cancelled = RequestCancelledError("r1")
+    assert _engine_error(cancelled) is cancelled
+
+
+class _BrokenWay:
+    """A deployment handle whose calls end with gRPC's INTERNAL, as Serve's gRPC path raises it: at once, or for
+    a stream after `outputs` outputs. Counts the calls."""
+
+    def __init__(self, outputs: int = 0) -> None:
+        self.calls, self.outputs = 0, outputs
+
+    def options(self, **_: object) -> _BrokenWay:
+        return self
+
+    def __getattr__(self, method: str) -> object:
+        handle = self
+
+        class _Method:
+            def remote(self, *args: object, **kwargs: object) -> object:
+                handle.calls += 1
+                return _Stream(handle.outputs) if method == "stream" else _Response(_fail)
+
+        return _Method()
+
+
+async def _fail() -> object:
+    raise _rpc_error(grpc.StatusCode.INTERNAL, "received RST_STREAM")
+
+
+class _Stream:
+    def __init__(self, outputs: int) -> None:
+        self.left = outputs
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self.left == 0:
+            await _fail()
+        self.left -= 1
+        return "an output"
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_call_the_way_failed_is_not_sent_again_and_reaches_the_caller_as_the_engines_error() -> None:
+    request = GenerationRequest(prompt_token_ids=[1, 2, 3])
+    handle = _BrokenWay()
+    client = _client(handle)
+    with pytest.raises(EngineUnreachableError, match="gRPC INTERNAL"):
+        asyncio.run(client.generate("m", request))
+    assert handle.calls == 1  # it may have run: not sent again, unlike a call whose replica died
+
+    async def read(client: FleetClient) -> list[object]:
+        return [out async for out in client.stream("m", request)]
+
+    for outputs in (0, 2):  # before its first output and after some: the stream ends with the engine's error
+        handle = _BrokenWay(outputs)
+        with pytest.raises(EngineUnreachableError):
+            asyncio.run(read(_client(handle)))
+        assert handle.calls == 1
