@@ -88,6 +88,7 @@ class ReplicaMetrics:
     replica: str
     metrics: EngineMetrics
     slots: int  # the engine's sequence slots
+    revision: str = ""  # what it serves (fleet.replica.model_revision); "" from a replica of an older release
 
 
 def _engine_error(exc: BaseException) -> BaseException:
@@ -150,6 +151,8 @@ class FleetClient:
         self.adapters = BundleCache(adapter_cache_bytes or budget_bytes(CACHE_MB_ENV, ADAPTER_CACHE_MB), ray.put)
         self._lock = threading.Lock()
         self._metrics: dict[tuple[str, str], ReplicaMetrics] = {}
+        self._revisions: dict[str, frozenset[str]] = {}  # model -> what its replicas served at the last poll
+        self._epochs: dict[str, int] = {}  # model -> how many times that changed: a fetch across it is not kept
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_metrics, name="hearth-fleet-metrics", daemon=True)
         self._poller.start()
@@ -193,13 +196,17 @@ class FleetClient:
     async def info(self, model: str) -> ModelInfo:
         info = self._infos.get(model)
         if info is None:
-            info = self._infos[model] = await self._call_again_if_lost(model, "info")
+            epoch = self._epoch(model)
+            info = await self._call_again_if_lost(model, "info")
+            self._keep(self._infos, model, info, epoch)
         return info
 
     async def char_limit(self, model: str) -> tuple[int, int]:
         limit = self._char_limits.get(model)
         if limit is None:
-            limit = self._char_limits[model] = await self._call_again_if_lost(model, "char_limit")
+            epoch = self._epoch(model)
+            limit = await self._call_again_if_lost(model, "char_limit")
+            self._keep(self._char_limits, model, limit, epoch)
         return limit
 
     async def encode(self, model: str, **kwargs: Any) -> list[int]:
@@ -232,7 +239,7 @@ class FleetClient:
             settled, local = self._settled_tokenizer(model)
             if settled:  # fetched (or refused) while this thread waited
                 return local
-            route = ANYWHERE
+            route, epoch = ANYWHERE, self._epoch(model)
             for attempt in (1, 2):
                 try:
                     local = LocalTokenizer(handle.tokenizer.remote(route=route).result(timeout_s=TOKENIZER_WAIT_S))
@@ -245,7 +252,7 @@ class FleetClient:
                     if attempt == 2:
                         raise mapped from None
                     route = replace(route, avoid=route.avoid | ({mapped.replica} - {""}))
-            self._tokenizers[model] = (local, time.monotonic())
+            self._keep(self._tokenizers, model, (local, time.monotonic()), epoch)
             return local
 
     async def compile(self, model: str, constraint: Constraint) -> None:
@@ -253,14 +260,17 @@ class FleetClient:
         compiled for this model is not sent again: a compile depends only on the constraint's content and the
         model, the replica that generates compiles it there if it has not yet (this check ran wherever Serve
         sent it), and agents send the same tools every turn. Refusals are asked again each time."""
-        key = constraint.key
+        key, epoch = constraint.key, self._epoch(model)
         with self._lock:
-            known = self._compiled.setdefault(model, OrderedDict())
-            if key in known:
+            known = self._compiled.get(model)
+            if known is not None and key in known:
                 known.move_to_end(key)
                 return
         await self._call_again_if_lost(model, "compile", constraint)
         with self._lock:
+            if self._epoch(model) != epoch:
+                return
+            known = self._compiled.setdefault(model, OrderedDict())
             known[key] = None
             while len(known) > COMPILED_KEPT:
                 known.popitem(last=False)
@@ -331,10 +341,37 @@ class FleetClient:
             except Exception:
                 continue
             for result in results:
-                if isinstance(result, tuple) and len(result) == 3:
+                if isinstance(result, tuple) and len(result) in (3, 4):
                     fresh[(model, result[0])] = ReplicaMetrics(model, *result)
         with self._lock:
             self._metrics = fresh
+        for model in {model for model, _ in fresh}:
+            self._note_revisions(model, frozenset(r.revision for (m, _), r in fresh.items() if m == model))
+
+    def _epoch(self, model: str) -> int:
+        return self._epochs.get(model, 0)
+
+    def _keep(self, kept: dict[str, Any], model: str, value: Any, epoch: int) -> None:
+        """Keep what was fetched of a model unless its replicas changed revision while the fetch ran."""
+        with self._lock:
+            if self._epoch(model) == epoch:
+                kept[model] = value
+
+    def _note_revisions(self, model: str, revisions: frozenset[str]) -> None:
+        """What this process keeps of a model was learnt from its replicas; when what they serve changes (a
+        redeploy under the same name with another checkpoint or other settings), it is learnt again: a request
+        encoded with the old tokenizer would reach the new weights as wrong ids. During a rolling update the
+        replicas disagree, and the change is seen again once the old ones are gone."""
+        with self._lock:
+            before = self._revisions.get(model)
+            self._revisions[model] = revisions
+            if before is None or before == revisions:
+                return
+            for kept in (self._infos, self._char_limits, self._tokenizers, self._compiled):
+                kept.pop(model, None)
+            self._epochs[model] = self._epoch(model) + 1
+        log.info("the replicas of %s serve another revision (%s, before %s): what was kept of it is fetched again",
+                 model, sorted(revisions), sorted(before))
 
     def replica_metrics(self) -> list[ReplicaMetrics]:
         with self._lock:

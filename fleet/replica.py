@@ -7,6 +7,8 @@ it holds, resident adapters) that `fleet.router.HearthRouter` reads to place req
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -27,6 +29,7 @@ from inference import (
 )
 from inference.constrained import Constraint
 from inference.models.bert import Embedder
+from inference.models.catalog import resolve_model
 from inference.prompts import prompt_char_limit
 
 log = logging.getLogger("fleet.replica")
@@ -44,6 +47,20 @@ def replica_name() -> str:
         return f"pid{os.getpid()}"
 
 
+def model_revision(model: str, engine_settings: Mapping[str, Any]) -> str:
+    """What a replica serves under its model's name: the files of the checkpoint it loads (names, sizes, times of
+    change) and its engine settings. A caller that keeps what it learnt of a model (fleet.client: the tokenizer,
+    its facts and character limit, the constraints that compiled) forgets it when the revisions its replicas
+    report change, as after a redeploy under the same name with other files or settings."""
+    digest = hashlib.sha256(json.dumps(dict(engine_settings), sort_keys=True, default=str).encode())
+    with os.scandir(resolve_model(model)) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.is_file():
+                st = entry.stat()
+                digest.update(f"{entry.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def adapter_root() -> Path:
     """Where this node keeps adapters it fetched: the data dir when the deployment names one."""
     data = os.environ.get("HEARTH_DATA_DIR")
@@ -56,6 +73,7 @@ class EngineReplica:
     def __init__(self, model: str, engine_settings: Mapping[str, Any]) -> None:
         self.model = model
         self.engine = AsyncEngine.from_model(model, EngineConfig.from_settings(engine_settings))
+        self.revision = model_revision(model, engine_settings)
         self.name = replica_name()
         self.block_size = self.engine.engine.config.block_size
         self.adapters = LocalAdapters(adapter_root(), budget_bytes(DISK_MB_ENV, ADAPTER_DISK_MB))
@@ -119,9 +137,9 @@ class EngineReplica:
             out.replica = self.name
             yield out
 
-    async def metrics(self) -> tuple[str, EngineMetrics, int]:
-        """This replica's id, its engine gauges and its sequence slots."""
-        return self.name, self.engine.metrics(), self.engine.engine.config.max_num_seqs
+    async def metrics(self) -> tuple[str, EngineMetrics, int, str]:
+        """This replica's id, its engine gauges, its sequence slots and what it serves (`model_revision`)."""
+        return self.name, self.engine.metrics(), self.engine.engine.config.max_num_seqs, self.revision
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -38,10 +38,13 @@ def in_thread(query: Callable[[], Any]) -> Any:
         return pool.submit(run).result()
 
 
-def events_when(count: int, timeout: float = 10.0) -> list[UsageEvent]:
+def events_when(count: int, account_id: str, timeout: float = 10.0) -> list[UsageEvent]:
+    """The account's playground events once there are `count` (only its own: a write another test left running
+    must not pass for one of them)."""
     deadline = time.monotonic() + timeout
     while True:
-        events = in_thread(lambda: list(UsageEvent.objects.order_by("created_at")))
+        events = in_thread(lambda: list(UsageEvent.objects.filter(account_id=account_id, route="playground")
+                                        .order_by("created_at")))
         if len(events) >= count or time.monotonic() > deadline:
             return events
         time.sleep(0.1)
@@ -92,7 +95,7 @@ def test_an_owner_streams_a_reply_sees_its_usage_and_cost_and_can_stop_one(live_
     page.wait_for_selector("#playground[data-state=done]", timeout=60_000)
     reply = page.inner_text("#pg-reply")
     assert reply.strip() and page.evaluate("window.replyUpdates") >= 3
-    [event] = events_when(1)
+    [event] = events_when(1, browser_tenant.account.pk)
     assert (event.route, event.api_key_id, event.status) == ("playground", None, Status.OK)
     assert page.inner_text("#pg-input-tokens") == str(event.input_tokens)
     assert page.inner_text("#pg-output-tokens") == str(event.output_tokens)
@@ -110,8 +113,10 @@ def test_an_owner_streams_a_reply_sees_its_usage_and_cost_and_can_stop_one(live_
     page.click("#pg-stop")
     page.wait_for_selector("#playground[data-state=stopped]", timeout=5_000)
     assert "Stopped" in page.inner_text("#pg-status") and not page.is_disabled("#pg-run")
-    events = events_when(2)
-    assert events[1].status == Status.ABORTED and 1 <= events[1].output_tokens < 400
+    events = events_when(2, browser_tenant.account.pk)
+    stopped = events[1]
+    assert stopped.status == Status.ABORTED and 1 <= stopped.output_tokens < 400, (
+        stopped.status, stopped.output_tokens, stopped.latency_ms, stopped.request_id)
     shot(page, "models-playground-stopped")
 
 

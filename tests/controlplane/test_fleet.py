@@ -345,6 +345,37 @@ async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_p
     assert digest(read_files(folder)) in {p.name for p in cached}
 
 
+async def test_a_redeploy_under_the_same_name_is_learnt_without_a_restart(fleet):
+    """The operator redeploys the model under its name with other settings (a smaller context here; another
+    checkpoint the same way): this process learns it again from the revisions the replicas report, where it kept
+    the old facts until restarted. Last of the module's fleet tests: the model stays redeployed."""
+    import asyncio
+
+    from fleet.app import ModelDeployment, deploy
+
+    client = fleet.client
+    _, window = await client.char_limit(CHAT_MODEL)
+    assert (await client.info(CHAT_MODEL)).context_window == window
+    await asyncio.to_thread(serving_replicas, fleet, 2)
+    before = {r.revision for r in client.replica_metrics() if r.model == CHAT_MODEL}
+    assert len(before) == 1 and "" not in before
+    smaller = window // 2
+    await asyncio.to_thread(deploy, [ModelDeployment(
+        model=CHAT_MODEL, source=str(fleet.tiny), replicas=2, num_cpus=0.5,
+        engine_settings={"kv_cache_memory": "64MiB", "max_num_seqs": 8, "dtype": "float32",
+                         "max_model_len": smaller})])
+    deadline = time.monotonic() + 90
+    while True:  # the metrics poller does this every 2 s (off the event loop: it waits on Ray)
+        await asyncio.to_thread(client.refresh_metrics)
+        now = {r.revision for r in client.replica_metrics() if r.model == CHAT_MODEL}
+        if len(now) == 1 and now != before:
+            break
+        assert time.monotonic() < deadline, now
+        await asyncio.sleep(0.25)
+    assert (await client.char_limit(CHAT_MODEL))[1] == smaller
+    assert (await client.info(CHAT_MODEL)).context_window == smaller
+
+
 def test_deploy_specs_size_replicas_that_name_no_cpus(catalog):
     """`make cluster` gives each replica a share of the machine (Ray waits forever on replicas that do not fit);
     a model's own `fleet` settings still win."""

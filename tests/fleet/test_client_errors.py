@@ -109,6 +109,7 @@ def _client(handle: object, tokenizer_fetched: bool = False) -> FleetClient:
     client._handles, client._infos, client._char_limits = {"m": handle}, {}, {}
     client._lock, client._tokenizer_gates, client._compiled = threading.Lock(), {}, {}
     client._tokenizers = {"m": (None, time.monotonic())} if tokenizer_fetched else {}
+    client._revisions, client._epochs, client._metrics = {}, {}, {}
     return client
 
 
@@ -264,3 +265,83 @@ def test_a_call_the_way_failed_is_not_sent_again_and_reaches_the_caller_as_the_e
         with pytest.raises(EngineUnreachableError):
             asyncio.run(read(_client(handle)))
         assert handle.calls == 1
+
+
+class _Revising(_DyingHandle):
+    """A handle whose replicas report `revisions` (what each serves) to a metrics broadcast; a revision of None
+    is a replica of an older release, which reports none."""
+
+    def __init__(self, answers: dict[str, object]) -> None:
+        super().__init__(answers)
+        self.revisions: list[str | None] = ["a", "a"]
+
+    def broadcast(self, method: str) -> object:
+        assert method == "metrics"
+        rows = [(f"r{i}", object(), 8) + ((rev,) if rev is not None else ())
+                for i, rev in enumerate(self.revisions)]
+
+        class _All:
+            def results(self, timeout_s: float, return_exceptions: bool) -> list[tuple]:
+                return rows
+
+        return _All()
+
+
+def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another_revision() -> None:
+    from inference.constrained import Constraint
+
+    handle = _Revising({"tokenizer": _Words(), "char_limit": (400, 100)})
+    client = _client(handle)
+    regex = Constraint.regex("[a-z]+")
+
+    def use() -> list[str]:
+        """A request's calls before it generates; returns the methods that reached a replica."""
+        before = len(handle.routes)
+        assert asyncio.run(client.encode("m", prompt="a bb", raw=True)) == [1, 2]
+        assert asyncio.run(client.char_limit("m")) == (400, 100)
+        asyncio.run(client.compile("m", regex))
+        return [name for name, _ in handle.routes[before:]]
+
+    client.refresh_metrics()
+    assert use() == ["tokenizer", "tokenizer", "char_limit", "char_limit", "compile", "compile"]  # (a death each)
+    client.refresh_metrics()
+    assert use() == []  # the same revisions: all kept
+    handle.revisions = ["a", "b"]  # a rolling update begins
+    client.refresh_metrics()
+    assert use() == ["tokenizer", "char_limit", "compile"]
+    assert [r.revision for r in client.replica_metrics()] == ["a", "b"]
+    handle.revisions = ["b", "b"]  # and ends: what an old replica answered meanwhile is dropped too
+    client.refresh_metrics()
+    assert use() == ["tokenizer", "char_limit", "compile"]
+    client.refresh_metrics()
+    assert use() == []
+    handle.revisions = ["b", None]  # a replica of an older release reports no revision
+    client.refresh_metrics()
+    assert use() == ["tokenizer", "char_limit", "compile"]
+
+
+def test_a_fetch_across_a_change_of_revision_is_not_kept() -> None:
+    handle = _Revising({"char_limit": (400, 100)})
+    client = _client(handle)
+    client.refresh_metrics()
+
+    class _ChangesMidCall(_Revising):
+        def __getattr__(self, method: str) -> object:
+            inner, me = _Revising.__getattr__(self, method), self
+
+            class _Method:
+                def remote(self, *args: object, **kwargs: object) -> object:
+                    me.revisions = ["c", "c"]  # the redeploy lands while the call is out
+                    client.refresh_metrics()
+                    return inner.remote(*args, **kwargs)
+
+            return _Method()
+
+    client._handles["m"] = changing = _ChangesMidCall({"char_limit": (900, 300)})
+    changing.routes.append(("char_limit", None))  # no death this time
+    assert asyncio.run(client.char_limit("m")) == (900, 300)
+    assert "m" not in client._char_limits  # answered, not kept: it may come from the revision before
+    client._handles["m"] = handle
+    handle.revisions = ["c", "c"]
+    client.refresh_metrics()  # nothing changed since: what is fetched now is kept
+    assert asyncio.run(client.char_limit("m")) == (400, 100) and client._char_limits["m"] == (400, 100)

@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from fleet.replica import EngineReplica
+from fleet.replica import EngineReplica, model_revision
 from inference import GenerationRequest, RequestOutput, SamplingParams
 from tests.engine.conftest import build_tiny_model
+
+replica_settings = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_num_batched_tokens": 32}
 
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory):
     path: Path = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-replica"))
-    rep = EngineReplica(str(path), {"dtype": "float32", "kv_cache_memory": "16MiB", "max_num_batched_tokens": 32})
+    rep = EngineReplica(str(path), replica_settings)
     yield rep
     rep.engine.shutdown()
 
@@ -69,3 +71,22 @@ def test_the_published_queue_of_prompt_tokens_and_its_stamp(replica: EngineRepli
     finally:
         for event in go:
             event.set()
+
+
+def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(replica: EngineReplica,
+                                                                           tmp_path: Path) -> None:
+    import asyncio
+    import os
+    import shutil
+
+    name, _, _, published = asyncio.run(replica.metrics())
+    assert name == replica.name and published == replica.revision == model_revision(replica.model, replica_settings)
+    other = tmp_path / "copy"
+    shutil.copytree(replica.model, other)
+    settings = {"dtype": "float32"}
+    first = model_revision(str(other), settings)
+    assert model_revision(str(other), dict(settings)) == first  # what it serves, not when it was asked
+    assert model_revision(str(other), {"dtype": "bfloat16"}) != first
+    tokenizer = other / "tokenizer.json"
+    os.utime(tokenizer, ns=(tokenizer.stat().st_atime_ns, tokenizer.stat().st_mtime_ns + 1))
+    assert model_revision(str(other), settings) != first  # a file written again under the same name
