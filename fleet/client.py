@@ -3,9 +3,9 @@
 A replica that dies takes its requests with it: they end with ReplicaLostError (an EngineDeadError, so the
 control plane answers 503 and batch items are given back and run again). A non-streaming request is retried
 once first, routed away from the replica that died (named in Ray's error, or known to the router by its actor
-id), so the retry lands on a live one; so are streams that lost their replica before their first output, and
-the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's compile),
-which a request makes before it generates. Whatever else Ray, Serve or gRPC raise on the way ends the request
+id), so the retry lands on a live one; so are streams that lost their replica before their first output,
+embeddings, and the calls that change nothing on a replica (tokenizing a request, the model's facts, a grammar's
+compile), which a request makes before it generates. Whatever else Ray, Serve or gRPC raise on the way ends the request
 with EngineUnreachableError (a 503 to retry), never as an error the control plane does not know.
 """
 
@@ -180,8 +180,8 @@ class FleetClient:
 
     async def _call_again_if_lost(self, model: str, method: str, *args: Any, route: RouteHint = ANYWHERE,
                                   **kwargs: Any) -> Any:
-        """A call that has given the caller nothing yet (a non-streaming generation) or changes nothing on the
-        replica (tokenizing, the model's facts, a grammar's compile), tried once more if its replica dies under it.
+        """A call that has given the caller nothing yet (a non-streaming generation, embeddings) or changes nothing
+        on the replica (tokenizing, the model's facts, a grammar's compile), tried once more if its replica dies under it.
         The retry's route avoids the dead replica: Serve drops it from the candidates once it learns of the death,
         which can come after the retry is routed (a session's hash would send it straight back there). Under
         load a tokenizing call can wait in a replica's queue when that replica is killed."""
@@ -322,7 +322,8 @@ class FleetClient:
                 responses.cancel()  # the client left early: the replica aborts the engine request
 
     async def embed(self, model: str, texts: list[str]) -> dict[str, Any]:
-        return await self._call(model, "embed", texts)
+        """Vectors change nothing on a replica and reach the caller whole: tried once more if the replica dies."""
+        return await self._call_again_if_lost(model, "embed", texts)
 
     # ------------------------------------------------------------------ observation
     def _poll_metrics(self) -> None:

@@ -156,7 +156,7 @@ class EmbedderReplica:
         self.name = replica_name()
         self._lock = asyncio.Lock()
 
-    async def embed(self, texts: list[str]) -> dict[str, Any]:
+    async def embed(self, texts: list[str], route: RouteHint | None = None) -> dict[str, Any]:
         async with self._lock:
             out = await asyncio.to_thread(self.embedder.embed, texts)
         return {"vectors": out.embeddings.tolist(), "dim": self.embedder.dim, "prompt_tokens": out.prompt_tokens,

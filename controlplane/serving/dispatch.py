@@ -35,6 +35,7 @@ class EmbeddingResult:
     dim: int
     prompt_tokens: int
     token_counts: list[int]
+    replica: str = ""  # the fleet replica that computed them ("" in this process)
 
 
 @dataclass(frozen=True, slots=True)

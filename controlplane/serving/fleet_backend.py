@@ -67,7 +67,7 @@ class RayBackend:
     async def embed(self, model: str, texts: list[str]) -> EmbeddingResult:
         out = await self.client.embed(model, texts)
         return EmbeddingResult(vectors=out["vectors"], dim=out["dim"], prompt_tokens=out["prompt_tokens"],
-                               token_counts=out["token_counts"])
+                               token_counts=out["token_counts"], replica=out.get("replica", ""))
 
     def metrics(self) -> Mapping[str, EngineMetrics]:
         return {model: combined([r.metrics for r in rs]) for model, rs in self.client.model_metrics().items()}

@@ -370,7 +370,7 @@ class Generation:
 def job_usage(job: Job, run: Run | None, *, account_id: str, key_id: str | None, source: str, status: str,
               error: ApiError | None, started: float, first_token_at: float | None, created_at: datetime,
               stream: bool = False, session_affinity: str = "", request_id: str = "",
-              input_tokens: int = 0) -> UsageRecord:
+              input_tokens: int = 0, replica: str = "") -> UsageRecord:
     """The usage record of a job, interactive or batch: the one place a job becomes metering."""
     usage = run.usage() if run is not None else None
     spec = run.speculation() if run is not None else {}
@@ -384,7 +384,7 @@ def job_usage(job: Job, run: Run | None, *, account_id: str, key_id: str | None,
         spec_proposed=spec.get("proposed", 0), spec_accepted=spec.get("accepted", 0),
         latency_ms=(time.monotonic() - started) * 1000,
         ttft_ms=(first_token_at - started) * 1000 if first_token_at else None,
-        session_affinity=session_affinity, replica=run.replica() if run is not None else "",
+        session_affinity=session_affinity, replica=run.replica() if run is not None else replica,
         created_at=created_at)
 
 
@@ -393,11 +393,11 @@ async def embed(adm: Admission, *, session_affinity: str,
     """Run an embedding job; returns the result and the metering callback to run once it is sent."""
     job = adm.job
 
-    def rec(status: str, error: ApiError | None, tokens: int) -> UsageRecord:
+    def rec(status: str, error: ApiError | None, tokens: int, replica: str = "") -> UsageRecord:
         return job_usage(job, None, account_id=adm.ctx.account_id, key_id=adm.key_id, source=Source.INTERACTIVE,
                          status=status, error=error, started=started, first_token_at=None,
                          created_at=adm.arrived_at, session_affinity=session_affinity,
-                         request_id=f"req-{uuid.uuid4().hex}", input_tokens=tokens)
+                         request_id=f"req-{uuid.uuid4().hex}", input_tokens=tokens, replica=replica)
 
     try:
         result = await get_backend().embed(job.model, list(job.texts))
@@ -405,5 +405,5 @@ async def embed(adm: Admission, *, session_affinity: str,
         error = errors.from_engine(exc, job.model)
         await write_usage(adm, rec(Status.ERROR, error, 0))
         raise error from None
-    done = rec(Status.OK, None, result.prompt_tokens)
+    done = rec(Status.OK, None, result.prompt_tokens, result.replica)
     return result, lambda: commit_usage(adm, done)

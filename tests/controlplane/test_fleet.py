@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from cp_support import CHAT_MODEL
+from cp_support import CHAT_MODEL, EMBED_MODEL
 from test_live_server import client_for, live, wait_for_events  # noqa: F401  (live is a fixture)
 
 from controlplane.usage.models import UsageEvent
@@ -65,14 +65,14 @@ def running_replicas() -> list[str]:
             if a["name"].startswith("SERVE_REPLICA::") and "#engine#" in a["name"]]
 
 
-def kill(replica: str) -> None:
+def kill(replica: str, hearth_routed: bool = True) -> None:
     import ray
 
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{replica}"):
             handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
             # The router of this process has seen it: a retry avoids it even where Ray's error gives only its id.
-            assert actor_label(handle._actor_id.hex()) == replica
+            assert not hearth_routed or actor_label(handle._actor_id.hex()) == replica
             ray.kill(handle, no_restart=True)
             return
     raise AssertionError(f"no replica actor {replica}")
@@ -343,6 +343,43 @@ async def test_an_adapter_reaches_replicas_through_the_object_store(fleet, tmp_p
 
     cached = [p for p in adapter_root().glob("*") if p.is_dir()]
     assert digest(read_files(folder)) in {p.name for p in cached}
+
+
+def test_embeddings_on_the_fleet_name_their_replica_and_outlive_one(fleet, live):  # noqa: F811
+    """An embedding model deployed on the fleet answers through the API as the engine in this process would, names
+    the replica in the response and its usage, and a replica killed between requests costs none of them: a
+    request sent to it is tried once more on the other."""
+    import numpy as np
+
+    from fleet.app import ModelDeployment, deploy, undeploy
+    from inference.models.bert import Embedder
+
+    url, tenant = live
+    client = client_for(url, tenant)
+    texts = ["a lighthouse keeper", "the sea at night", "copper lanterns"]
+    want = Embedder.from_model(EMBED_MODEL).embed(texts).embeddings.numpy()
+    deploy([ModelDeployment(model=EMBED_MODEL, embedding=True, replicas=2, num_cpus=0.25)])
+    try:
+        raw = client.embeddings.with_raw_response.create(model=EMBED_MODEL, input=texts, encoding_format="float")
+        got = np.array([row.embedding for row in raw.parse().data])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        replica = raw.headers.get("x-hearth-replica", "")
+        assert replica
+        [event] = [e for e in wait_for_events(1) if e.model == EMBED_MODEL]
+        assert (event.replica, event.status, event.input_tokens) == (replica, "ok", raw.parse().usage.prompt_tokens)
+        # Two long requests in flight (Serve's router puts the second beside the first), then one replica killed.
+        many = [f"{texts[i % 3]} number {i}" for i in range(1500)]
+        with ThreadPoolExecutor(2) as pool:
+            pending = [pool.submit(client.embeddings.with_raw_response.create, model=EMBED_MODEL, input=many)
+                       for _ in range(2)]
+            time.sleep(0.5)
+            kill(replica, hearth_routed=False)  # an embedding model's replicas are placed by Serve's own router
+            answers = [p.result() for p in pending]
+        assert all(a.http_response.status_code == 200 for a in answers)  # each one answered, none a 503
+        assert all(len(a.parse().data) == len(many) for a in answers)
+        assert {a.headers["x-hearth-replica"] for a in answers} != {replica}
+    finally:
+        undeploy([EMBED_MODEL])
 
 
 async def test_a_redeploy_under_the_same_name_is_learnt_without_a_restart(fleet):

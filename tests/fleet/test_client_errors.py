@@ -149,9 +149,11 @@ def test_calls_that_change_nothing_are_tried_again_away_from_a_dead_replica() ->
     got = asyncio.run(client.encode("m", prompt="hello", raw=True))
     assert got == ("encode", (), {"prompt": "hello", "raw": True})
     assert asyncio.run(client.char_limit("m"))[0] == "char_limit"
+    assert asyncio.run(client.embed("m", ["a cat"]))[:2] == ("embed", (["a cat"],))  # vectors: nothing sent yet
     assert [(name, route.avoid) for name, route in handle.routes] == [
         ("encode", frozenset()), ("encode", frozenset({"mxfgth0q"})),
-        ("char_limit", frozenset()), ("char_limit", frozenset({"mxfgth0q"}))]
+        ("char_limit", frozenset()), ("char_limit", frozenset({"mxfgth0q"})),
+        ("embed", frozenset()), ("embed", frozenset({"mxfgth0q"}))]
     # A second loss is the caller's 503: one retry only.
     class _AlwaysDead(_DyingHandle):
         def __getattr__(self, method: str) -> object:

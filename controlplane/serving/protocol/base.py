@@ -95,7 +95,8 @@ class Endpoint(ABC):
             # Thousands of vectors take seconds to write as JSON: not on the loop every tenant shares, and with
             # an encoder that holds the interpreter (from the engine's thread too) for a small part of that.
             payload = await asyncio.to_thread(lambda: dumps_bulk(self.render_embeddings(job, result)))
-            return ResponseWithAfterClose(payload, content_type="application/json", after_close=after)
+            return with_replica(ResponseWithAfterClose(payload, content_type="application/json", after_close=after),
+                                result.replica)
         gen = pipeline.Generation(adm=adm, stream=job.stream, session_affinity=affinity, started=started)
         await gen.prepare()
         created = int(time.time())
