@@ -153,6 +153,7 @@ class FleetClient:
         self._metrics: dict[tuple[str, str], ReplicaMetrics] = {}
         self._revisions: dict[str, frozenset[str]] = {}  # model -> what its replicas served at the last poll
         self._epochs: dict[str, int] = {}  # model -> how many times that changed: a fetch across it is not kept
+        self._embedders: set[str] = set()  # embedding models: no engine gauges to poll
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_metrics, name="hearth-fleet-metrics", daemon=True)
         self._poller.start()
@@ -323,6 +324,7 @@ class FleetClient:
 
     async def embed(self, model: str, texts: list[str]) -> dict[str, Any]:
         """Vectors change nothing on a replica and reach the caller whole: tried once more if the replica dies."""
+        self._embedders.add(model)
         return await self._call_again_if_lost(model, "embed", texts)
 
     # ------------------------------------------------------------------ observation
@@ -337,6 +339,8 @@ class FleetClient:
         """Every replica's engine gauges, from each model this process has reached."""
         fresh: dict[tuple[str, str], ReplicaMetrics] = {}
         for model, handle in list(self._handles.items()):
+            if model in self._embedders:  # an embedder has no gauges; asked, each replica would log an error
+                continue
             try:
                 results = handle.broadcast("metrics").results(timeout_s=timeout_s, return_exceptions=True)
             except Exception:

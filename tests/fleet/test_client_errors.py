@@ -109,7 +109,7 @@ def _client(handle: object, tokenizer_fetched: bool = False) -> FleetClient:
     client._handles, client._infos, client._char_limits = {"m": handle}, {}, {}
     client._lock, client._tokenizer_gates, client._compiled = threading.Lock(), {}, {}
     client._tokenizers = {"m": (None, time.monotonic())} if tokenizer_fetched else {}
-    client._revisions, client._epochs, client._metrics = {}, {}, {}
+    client._revisions, client._epochs, client._metrics, client._embedders = {}, {}, {}, set()
     return client
 
 
@@ -347,3 +347,19 @@ def test_a_fetch_across_a_change_of_revision_is_not_kept() -> None:
     handle.revisions = ["c", "c"]
     client.refresh_metrics()  # nothing changed since: what is fetched now is kept
     assert asyncio.run(client.char_limit("m")) == (400, 100) and client._char_limits["m"] == (400, 100)
+
+
+def test_an_embedding_models_replicas_are_not_asked_for_engine_gauges() -> None:
+    """An embedder has no `metrics`: each poll would make every one of its replicas log an error."""
+    class _Asked(_Revising):
+        def broadcast(self, method: str) -> object:
+            self.routes.append(("broadcast", None))
+            return super().broadcast(method)
+
+    chat, embedder = _Asked({}), _Asked({"embed": {"vectors": [[0.5]], "replica": "e1"}})
+    client = _client(chat)
+    client._handles["e"] = embedder
+    asyncio.run(client.embed("e", ["a cat"]))
+    client.refresh_metrics()
+    assert ("broadcast", None) in chat.routes and ("broadcast", None) not in embedder.routes
+    assert {r.model for r in client.replica_metrics()} == {"m"}
