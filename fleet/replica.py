@@ -29,7 +29,7 @@ from inference import (
 )
 from inference.constrained import Constraint
 from inference.models.bert import Embedder
-from inference.models.catalog import resolve_model
+from inference.models.catalog import MARKER_FILE, resolve_model
 from inference.prompts import prompt_char_limit
 
 log = logging.getLogger("fleet.replica")
@@ -47,17 +47,31 @@ def replica_name() -> str:
         return f"pid{os.getpid()}"
 
 
+# Files up to this size count by their content in a model's revision (config, tokenizer, generation config: a
+# tokenizer.json of a large vocabulary is tens of MB); larger ones, the weights, by their name and size.
+REVISION_CONTENT_BYTES = 64 * 2**20
+
+
 def model_revision(model: str, engine_settings: Mapping[str, Any]) -> str:
-    """What a replica serves under its model's name: the files of the checkpoint it loads (names, sizes, times of
-    change) and its engine settings. A caller that keeps what it learnt of a model (fleet.client: the tokenizer,
-    its facts and character limit, the constraints that compiled) forgets it when the revisions its replicas
-    report change, as after a redeploy under the same name with other files or settings."""
+    """What a replica serves under its model's name, as far as a caller keeps anything of it (fleet.client: the
+    tokenizer, the model's facts, its character limit, the constraints that compiled): the engine settings and the
+    checkpoint's files, the small ones by their content and the weights by their name and size. Everything kept
+    comes from the small files and the settings, never from the weights' values. The caller forgets what it kept
+    when the revisions its replicas report change, as after a redeploy under the same name with other files or
+    settings. Content rather than times of change: each node's own copy of one checkpoint reads as the same
+    revision, so a replacement replica placed on another node costs the caller no fetches. The installer's marker
+    (inference/models: when and from what it converted, which differs from node to node) is left out."""
     digest = hashlib.sha256(json.dumps(dict(engine_settings), sort_keys=True, default=str).encode())
     with os.scandir(resolve_model(model)) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
-            if entry.is_file():
-                st = entry.stat()
-                digest.update(f"{entry.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+            if not entry.is_file() or entry.name == MARKER_FILE:
+                continue
+            size = entry.stat().st_size
+            digest.update(f"{entry.name}\0{size}\0".encode())
+            if size <= REVISION_CONTENT_BYTES:
+                with open(entry.path, "rb") as f:
+                    digest.update(hashlib.file_digest(f, "sha256").digest())
+            digest.update(b"\n")
     return digest.hexdigest()[:16]
 
 

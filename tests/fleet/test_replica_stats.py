@@ -76,17 +76,32 @@ def test_the_published_queue_of_prompt_tokens_and_its_stamp(replica: EngineRepli
 def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(replica: EngineReplica,
                                                                            tmp_path: Path) -> None:
     import asyncio
+    import json
     import os
     import shutil
 
     name, _, _, published = asyncio.run(replica.metrics())
     assert name == replica.name and published == replica.revision == model_revision(replica.model, replica_settings)
-    other = tmp_path / "copy"
-    shutil.copytree(replica.model, other)
     settings = {"dtype": "float32"}
-    first = model_revision(str(other), settings)
-    assert model_revision(str(other), dict(settings)) == first  # what it serves, not when it was asked
-    assert model_revision(str(other), {"dtype": "bfloat16"}) != first
+    first = model_revision(replica.model, settings)
+    assert model_revision(replica.model, dict(settings)) == first  # what it serves, not when it was asked
+    assert model_revision(replica.model, {"dtype": "bfloat16"}) != first
+
+    # Another node's copy of the same checkpoint: other times of change, the installer's marker of its own install.
+    other = tmp_path / "copy"
+    shutil.copytree(replica.model, other, copy_function=shutil.copyfile)
+    (other / "hearth.json").write_text(json.dumps({"installed_at": "elsewhere"}))
     tokenizer = other / "tokenizer.json"
-    os.utime(tokenizer, ns=(tokenizer.stat().st_atime_ns, tokenizer.stat().st_mtime_ns + 1))
-    assert model_revision(str(other), settings) != first  # a file written again under the same name
+    os.utime(tokenizer, ns=(tokenizer.stat().st_atime_ns, tokenizer.stat().st_mtime_ns + 10**9))
+    assert model_revision(str(other), settings) == first
+
+    vocab = json.loads(tokenizer.read_text())  # the tokenizer written again, with one token more
+    vocab["added_tokens"] = [*vocab.get("added_tokens", []), {"id": 10**6, "content": "<new>", "single_word": False,
+                             "lstrip": False, "rstrip": False, "normalized": False, "special": True}]
+    tokenizer.write_text(json.dumps(vocab))
+    changed = model_revision(str(other), settings)
+    assert changed != first
+    weights = next(p for p in other.iterdir() if p.suffix == ".safetensors")
+    with weights.open("ab") as f:  # other weights of another size (the values alone are nothing a caller keeps)
+        f.write(b"\0" * 8)
+    assert model_revision(str(other), settings) != changed
