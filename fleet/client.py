@@ -47,6 +47,7 @@ from inference.errors import (
     EngineOverloadedError,
     EngineUnreachableError,
     ModelNotFoundError,
+    TokenizerChangedError,
 )
 from inference.prompts import encode_prompt
 
@@ -89,6 +90,7 @@ class ReplicaMetrics:
     metrics: EngineMetrics
     slots: int  # the engine's sequence slots
     revision: str = ""  # what it serves (fleet.replica.model_revision); "" from a replica of an older release
+    tokenizer_revision: str = ""  # its tokenizer's (fleet.replica.tokenizer_revision); "" as revision
 
 
 def _engine_error(exc: BaseException) -> BaseException:
@@ -129,8 +131,9 @@ class LocalTokenizer:
     Serve took 5.0-5.6 ms for a 667-token chat on a Zen 4 VM, 1.4 ms here) and the replicas' cores only run
     their engines."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, revision: str = "") -> None:
         self.tokenizer = tokenizer
+        self.revision = revision  # its tokenizer_revision, as the replica it came from reported it
         self._lock = threading.Lock()  # one thread at a time, as the engine's own
 
     def encode(self, **kwargs: Any) -> list[int]:
@@ -152,6 +155,7 @@ class FleetClient:
         self._lock = threading.Lock()
         self._metrics: dict[tuple[str, str], ReplicaMetrics] = {}
         self._revisions: dict[str, frozenset[str]] = {}  # model -> what its replicas served at the last poll
+        self._tokenizer_revisions: dict[str, frozenset[str]] = {}  # model -> their tokenizers' revisions then
         self._epochs: dict[str, int] = {}  # model -> how many times that changed: a fetch across it is not kept
         self._embedders: set[str] = set()  # embedding models: no engine gauges to poll
         self._stop = threading.Event()
@@ -174,10 +178,19 @@ class FleetClient:
         try:
             return await getattr(self.handle(model), method).remote(*args, **kwargs)
         except BaseException as exc:
-            mapped = _engine_error(exc)
+            mapped = self._seen(model, _engine_error(exc))
             if mapped is exc:
                 raise
             raise mapped from None
+
+    def _seen(self, model: str, error: BaseException) -> BaseException:
+        """An error of a call about `model`, after learning from it: a replica that refused a prompt encoded by
+        a tokenizer it does not have means the one kept here is gone from the fleet (the metrics poll would tell
+        within a few seconds): dropped now, so the request sent again is encoded by a tokenizer fetched anew."""
+        if isinstance(error, TokenizerChangedError):
+            with self._lock:
+                self._tokenizers.pop(model, None)
+        return error
 
     async def _call_again_if_lost(self, model: str, method: str, *args: Any, route: RouteHint = ANYWHERE,
                                   **kwargs: Any) -> Any:
@@ -243,7 +256,9 @@ class FleetClient:
             route, epoch = ANYWHERE, self._epoch(model)
             for attempt in (1, 2):
                 try:
-                    local = LocalTokenizer(handle.tokenizer.remote(route=route).result(timeout_s=TOKENIZER_WAIT_S))
+                    revision, tokenizer = handle.tokenizer_and_revision.remote(route=route).result(
+                        timeout_s=TOKENIZER_WAIT_S)
+                    local = LocalTokenizer(tokenizer, revision)
                     break
                 except Exception as exc:
                     mapped = _engine_error(exc)
@@ -253,7 +268,10 @@ class FleetClient:
                     if attempt == 2:
                         raise mapped from None
                     route = replace(route, avoid=route.avoid | ({mapped.replica} - {""}))
-            self._keep(self._tokenizers, model, (local, time.monotonic()), epoch)
+            with self._lock:  # a tokenizer names its revision: kept while that is served, whenever it came
+                served = self._tokenizer_revisions.get(model, frozenset())
+                if self._epoch(model) == epoch or (local is not None and local.revision in served):
+                    self._tokenizers[model] = (local, time.monotonic())
             return local
 
     async def compile(self, model: str, constraint: Constraint) -> None:
@@ -282,14 +300,18 @@ class FleetClient:
             return None
         return self.adapters.cached(lora.name) or await asyncio.to_thread(self.adapters.get, lora.name, lora.path)
 
-    @staticmethod
-    def _hint(request: GenerationRequest, session: str) -> RouteHint:
+    def _hint(self, model: str, request: GenerationRequest, session: str) -> RouteHint:
+        """Where the request would be best served. It names the revision of the tokenizer kept here, the one that
+        encoded it (unless a change of revision dropped that one in between: then, as for a request the replicas
+        encoded, none), so that it reaches replicas whose tokenizer reads its ids as the same tokens."""
+        known = self._tokenizers.get(model)
         return RouteHint(session=session, prompt=tuple(request.prompt_token_ids), extra_keys=request.extra_keys,
-                         adapter=request.lora.name if request.lora is not None else None)
+                         adapter=request.lora.name if request.lora is not None else None,
+                         tokenizer_revision=known[0].revision if known is not None and known[0] is not None else "")
 
     async def generate(self, model: str, request: GenerationRequest, session: str = "") -> RequestOutput:
         bundle = await self._bundle(request)
-        return await self._call_again_if_lost(model, "generate", request, route=self._hint(request, session),
+        return await self._call_again_if_lost(model, "generate", request, route=self._hint(model, request, session),
                                               adapter=bundle)
 
     async def stream(self, model: str, request: GenerationRequest, session: str = "") -> AsyncIterator[RequestOutput]:
@@ -297,7 +319,7 @@ class FleetClient:
         has given the caller nothing, so it is tried once more elsewhere, like a non-streaming request; after
         that the caller has text it cannot take back, and the loss is raised."""
         bundle = await self._bundle(request)
-        route, begun = self._hint(request, session), False
+        route, begun = self._hint(model, request, session), False
         handle = self.handle(model).options(stream=True)
         if bundle is None:
             # Serve's gRPC path carries a stream's items for less than Ray's generator returns do: 16 streams of
@@ -312,7 +334,7 @@ class FleetClient:
                     yield out
                 return
             except BaseException as exc:
-                mapped = _engine_error(exc)
+                mapped = self._seen(model, _engine_error(exc))
                 if mapped is exc:
                     raise
                 if not (isinstance(mapped, ReplicaLostError) and not begun and attempt == 1):
@@ -346,12 +368,14 @@ class FleetClient:
             except Exception:
                 continue
             for result in results:
-                if isinstance(result, tuple) and len(result) in (3, 4):
+                if isinstance(result, tuple) and len(result) in (3, 4, 5):
                     fresh[(model, result[0])] = ReplicaMetrics(model, *result)
         with self._lock:
             self._metrics = fresh
         for model in {model for model, _ in fresh}:
-            self._note_revisions(model, frozenset(r.revision for (m, _), r in fresh.items() if m == model))
+            mine = [r for (m, _), r in fresh.items() if m == model]
+            self._note_revisions(model, frozenset(r.revision for r in mine),
+                                 frozenset(r.tokenizer_revision for r in mine))
 
     def _epoch(self, model: str) -> int:
         return self._epochs.get(model, 0)
@@ -362,18 +386,23 @@ class FleetClient:
             if self._epoch(model) == epoch:
                 kept[model] = value
 
-    def _note_revisions(self, model: str, revisions: frozenset[str]) -> None:
+    def _note_revisions(self, model: str, revisions: frozenset[str], tokenizers: frozenset[str]) -> None:
         """What this process keeps of a model was learnt from its replicas; when what they serve changes (a
-        redeploy under the same name with another checkpoint or other settings), it is learnt again: a request
-        encoded with the old tokenizer would reach the new weights as wrong ids. During a rolling update the
-        replicas disagree, and the change is seen again once the old ones are gone."""
+        redeploy under the same name with another checkpoint or other settings), it is learnt again. During a
+        rolling update the replicas disagree, and the change is seen again once the old ones are gone. The
+        tokenizer stays while replicas with the same tokenizer revision (`tokenizers`) remain, and the requests it
+        encodes go to those (`_hint`): a tokenizer fetched anew might come from either side of the update, and its
+        ids would reach the other side's replicas as other tokens."""
         with self._lock:
             before = self._revisions.get(model)
-            self._revisions[model] = revisions
+            self._revisions[model], self._tokenizer_revisions[model] = revisions, tokenizers
             if before is None or before == revisions:
                 return
-            for kept in (self._infos, self._char_limits, self._tokenizers, self._compiled):
+            for kept in (self._infos, self._char_limits, self._compiled):
                 kept.pop(model, None)
+            known = self._tokenizers.get(model)
+            if known is None or known[0] is None or not known[0].revision or known[0].revision not in tokenizers:
+                self._tokenizers.pop(model, None)
             self._epochs[model] = self._epoch(model) + 1
         log.info("the replicas of %s serve another revision (%s, before %s): what was kept of it is fetched again",
                  model, sorted(revisions), sorted(before))

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from inference import (
     RequestOutput,
 )
 from inference.constrained import Constraint
+from inference.errors import TokenizerChangedError
 from inference.models.bert import Embedder
 from inference.models.catalog import MARKER_FILE, resolve_model
 from inference.prompts import prompt_char_limit
@@ -50,21 +51,19 @@ def replica_name() -> str:
 # Files up to this size count by their content in a model's revision (config, tokenizer, generation config: a
 # tokenizer.json of a large vocabulary is tens of MB); larger ones, the weights, by their name and size.
 REVISION_CONTENT_BYTES = 64 * 2**20
+# What transformers' AutoTokenizer reads a tokenizer and its chat template from: only a change among these files
+# changes which tokens a prompt's ids stand for.
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template", "spiece",
+                   "sentencepiece")
 
 
-def model_revision(model: str, engine_settings: Mapping[str, Any]) -> str:
-    """What a replica serves under its model's name, as far as a caller keeps anything of it (fleet.client: the
-    tokenizer, the model's facts, its character limit, the constraints that compiled): the engine settings and the
-    checkpoint's files, the small ones by their content and the weights by their name and size. Everything kept
-    comes from the small files and the settings, never from the weights' values. The caller forgets what it kept
-    when the revisions its replicas report change, as after a redeploy under the same name with other files or
-    settings. Content rather than times of change: each node's own copy of one checkpoint reads as the same
-    revision, so a replacement replica placed on another node costs the caller no fetches. The installer's marker
-    (inference/models: when and from what it converted, which differs from node to node) is left out."""
-    digest = hashlib.sha256(json.dumps(dict(engine_settings), sort_keys=True, default=str).encode())
+def _files_digest(model: str, digest: Any, keep: Callable[[str], bool]) -> str:
+    """`digest` updated with the checkpoint's files that `keep` takes by name (in name order): the small ones by
+    name and content, larger ones by name and size. The installer's marker (inference/models: when and from what
+    it converted, which differs from node to node) is never taken."""
     with os.scandir(resolve_model(model)) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
-            if not entry.is_file() or entry.name == MARKER_FILE:
+            if not entry.is_file() or entry.name == MARKER_FILE or not keep(entry.name):
                 continue
             size = entry.stat().st_size
             digest.update(f"{entry.name}\0{size}\0".encode())
@@ -73,6 +72,27 @@ def model_revision(model: str, engine_settings: Mapping[str, Any]) -> str:
                     digest.update(hashlib.file_digest(f, "sha256").digest())
             digest.update(b"\n")
     return digest.hexdigest()[:16]
+
+
+def model_revision(model: str, engine_settings: Mapping[str, Any]) -> str:
+    """What a replica serves under its model's name, as far as a caller keeps anything of it (fleet.client: the
+    model's facts, its character limit, the constraints that compiled): the engine settings and the checkpoint's
+    files, the small ones by their content and the weights by their name and size. Everything kept comes from the
+    small files and the settings, never from the weights' values. The caller forgets what it kept when the
+    revisions its replicas report change, as after a redeploy under the same name with other files or settings.
+    Content rather than times of change: each node's own copy of one checkpoint reads as the same revision, so a
+    replacement replica placed on another node costs the caller no fetches."""
+    digest = hashlib.sha256(json.dumps(dict(engine_settings), sort_keys=True, default=str).encode())
+    return _files_digest(model, digest, lambda name: True)
+
+
+def tokenizer_revision(model: str) -> str:
+    """What the ids of a prompt encoded by this model's tokenizer stand for: its tokenizer files' content. A
+    caller that encodes its requests itself keeps the tokenizer while replicas with the same tokenizer revision
+    remain and names it on each request, so that during a rolling update the router sends them only there. Apart
+    from `model_revision`: an update that changes only the weights or the engine settings leaves the tokenizer,
+    and its requests may go to any replica."""
+    return _files_digest(model, hashlib.sha256(b"tokenizer"), lambda name: name.startswith(TOKENIZER_FILES))
 
 
 def adapter_root() -> Path:
@@ -88,6 +108,7 @@ class EngineReplica:
         self.model = model
         self.engine = AsyncEngine.from_model(model, EngineConfig.from_settings(engine_settings))
         self.revision = model_revision(model, engine_settings)
+        self.tokenizer_revision = tokenizer_revision(model)
         self.name = replica_name()
         self.block_size = self.engine.engine.config.block_size
         self.adapters = LocalAdapters(adapter_root(), budget_bytes(DISK_MB_ENV, ADAPTER_DISK_MB))
@@ -104,11 +125,12 @@ class EngineReplica:
         keys = self.engine.engine.blocks.cached_keys(SUMMARY_KEYS)
         return {"running": m.running, "waiting": m.queue_depth, "slots": self.engine.engine.config.max_num_seqs,
                 "kv_usage": m.kv_usage, "block_size": self.block_size, "at": taken_at,
-                "prefill_tokens": m.interactive_prefill_tokens,
+                "prefill_tokens": m.interactive_prefill_tokens, "tokenizer_revision": self.tokenizer_revision,
                 "prefix": b"".join(k[:KEY_BYTES] for k in keys), "adapters": list(m.lora_resident or ())}
 
     # ------------------------------------------------------------------ engine calls
-    # `route` is read by the request router (a retry's replicas to avoid), never by the replica.
+    # `route` is read by the request router (a retry's replicas to avoid); the replica reads only the tokenizer
+    # revision a generation's route names (`_same_tokenizer`).
     async def info(self, route: RouteHint | None = None) -> ModelInfo:
         return self.engine.info
 
@@ -117,8 +139,14 @@ class EngineReplica:
         return await asyncio.to_thread(self.engine.encode, prompt=prompt, messages=messages, raw=raw, tools=tools)
 
     async def tokenizer(self, route: RouteHint | None = None) -> Any:
-        """The engine's tokenizer, for a caller that encodes its requests itself (fleet.client does)."""
+        """The engine's tokenizer, for a caller of an earlier release that encodes its requests itself."""
         return await asyncio.to_thread(self.engine.tokenizer_copy)
+
+    async def tokenizer_and_revision(self, route: RouteHint | None = None) -> tuple[str, Any]:
+        """The engine's tokenizer and its `tokenizer_revision`, for a caller that encodes its requests itself
+        (fleet.client does): it names that revision when it sends them, so that during a rolling update the
+        router keeps them on replicas whose tokenizer reads the same ids as the same tokens."""
+        return self.tokenizer_revision, await asyncio.to_thread(self.engine.tokenizer_copy)
 
     async def char_limit(self, route: RouteHint | None = None) -> tuple[int, int]:
         """Characters past which no prompt fits the context, and the context length."""
@@ -139,21 +167,35 @@ class EngineReplica:
         request.lora = LoRARequest(adapter.name, folder)
         return request
 
+    def _same_tokenizer(self, route: RouteHint | None) -> None:
+        """Refuse a prompt encoded by another tokenizer than this replica's: the router sends one only where its
+        tokenizer is, unless none is left (an update that changed the tokenizer ended before the caller noticed).
+        Its ids would be read as other tokens here; refused, nothing ran, and the caller encodes it anew."""
+        wanted = route.tokenizer_revision if route is not None else ""
+        if wanted and wanted != self.tokenizer_revision:
+            raise TokenizerChangedError(
+                f"the prompt was encoded by tokenizer revision {wanted}; this replica of {self.model} has "
+                f"{self.tokenizer_revision}")
+
     async def generate(self, request: GenerationRequest, route: RouteHint | None = None,
                        adapter: AdapterBundle | None = None) -> RequestOutput:
+        self._same_tokenizer(route)
         out = await self.engine.generate(await self._local(request, adapter))
         out.replica = self.name
         return out
 
     async def stream(self, request: GenerationRequest, route: RouteHint | None = None,
                      adapter: AdapterBundle | None = None) -> AsyncIterator[RequestOutput]:
+        self._same_tokenizer(route)
         async for out in self.engine.stream(await self._local(request, adapter)):
             out.replica = self.name
             yield out
 
-    async def metrics(self) -> tuple[str, EngineMetrics, int, str]:
-        """This replica's id, its engine gauges, its sequence slots and what it serves (`model_revision`)."""
-        return self.name, self.engine.metrics(), self.engine.engine.config.max_num_seqs, self.revision
+    async def metrics(self) -> tuple[str, EngineMetrics, int, str, str]:
+        """This replica's id, its engine gauges, its sequence slots and what it serves (`model_revision`,
+        `tokenizer_revision`)."""
+        return (self.name, self.engine.metrics(), self.engine.engine.config.max_num_seqs, self.revision,
+                self.tokenizer_revision)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

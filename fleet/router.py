@@ -66,7 +66,8 @@ class HearthRouter(RequestRouter):
             id=label, load=self.inflight[label], slots=int(stats.get("slots", 1)),
             kv_usage=float(stats.get("kv_usage", 0.0)), prefix=self._prefix(label, stats.get("prefix", b"")),
             adapters=frozenset(stats.get("adapters", ())), block_size=int(stats.get("block_size", 16)),
-            prefill_tokens=self._prefill_tokens(label, stats))
+            prefill_tokens=self._prefill_tokens(label, stats),
+            tokenizer_revision=str(stats.get("tokenizer_revision", "")))
 
     def _prefill_tokens(self, label: str, stats: dict[str, Any]) -> int:
         """Prompt tokens queued at a replica: what it published (every router's requests), plus what this

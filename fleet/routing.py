@@ -18,6 +18,9 @@ ahead of it, while requests that are only decoding cost it little (they share it
 requests alone sent a new ~600-token prompt behind another one being computed while the other replica only
 decoded (the fleet notes of 12-07 in docs/benchmarks.md).
 Every answer is a full ranking: the caller (Ray Serve's router) falls through it when a replica refuses.
+Before all of these, a request whose prompt was encoded with one revision of the model's tokenizer
+(fleet.replica.tokenizer_revision) goes only to replicas with that tokenizer while there are any: during a rolling
+update that changes the tokenizer, the same ids mean other tokens to the other replicas.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class ReplicaState:
     adapters: frozenset[str] = frozenset()  # adapters resident in its slots
     block_size: int = 16
     prefill_tokens: int = 0  # interactive prompt tokens queued there to compute (published, plus sent since)
+    tokenizer_revision: str = ""  # its tokenizer's (fleet.replica.tokenizer_revision); "" before it reports one
 
     @property
     def pressure(self) -> float:
@@ -72,6 +76,7 @@ class RouteHint:
     extra_keys: tuple = ()  # mixed into the prefix keys, as the engine does (adapter, cache salt)
     adapter: str | None = None
     avoid: frozenset[str] = frozenset()  # replicas that already failed this request
+    tokenizer_revision: str = ""  # that of the tokenizer that encoded the prompt ("": not known, any replica)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +141,8 @@ class Policy:
     def decide(self, hint: RouteHint, replicas: Sequence[ReplicaState],
                routed: PrefixMemory | None = None) -> Decision:
         usable = [r for r in replicas if r.id not in hint.avoid] or list(replicas)
+        if hint.tokenizer_revision:  # its ids are that tokenizer's tokens (none left: the client learns anew)
+            usable = [r for r in usable if r.tokenizer_revision == hint.tokenizer_revision] or usable
         if not usable:
             return Decision([], "none")
         by_load = sorted(usable, key=lambda r: (r.queued, r.id))

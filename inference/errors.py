@@ -47,3 +47,9 @@ class EngineLostError(EngineDeadError):
 class EngineUnreachableError(EngineLostError):
     """The way to the engine failed, not the engine (a fleet call ended by its transport or by Serve itself): the
     request may or may not have run there, and may be sent again."""
+
+
+class TokenizerChangedError(EngineLostError):
+    """The request's prompt was encoded by a tokenizer that no engine serving its model has any more (a fleet
+    redeployed under the same name with another tokenizer while it was on its way): its ids would be read as other
+    tokens. Nothing ran; sent again, it is encoded anew."""

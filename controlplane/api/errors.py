@@ -22,6 +22,7 @@ from inference.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     PromptTooLongError,
+    TokenizerChangedError,
 )
 
 # Workers AI / Cloudflare API codes used on native routes.
@@ -214,9 +215,13 @@ def from_engine(exc: EngineError, model: str) -> ApiError:
     if isinstance(exc, EngineOverloadedError):
         return out_of_capacity()
     if isinstance(exc, EngineLostError):
-        error = unavailable(f"The fleet could not reach the engine for {model}; retry the request"
-                            if isinstance(exc, EngineUnreachableError)
-                            else f"The replica serving {model} went away during the request; retry it")
+        if isinstance(exc, EngineUnreachableError):
+            message = f"The fleet could not reach the engine for {model}; retry the request"
+        elif isinstance(exc, TokenizerChangedError):
+            message = f"{model} was redeployed with another tokenizer while the request was on its way; retry it"
+        else:
+            message = f"The replica serving {model} went away during the request; retry it"
+        error = unavailable(message)
         error.headers.update(retry_headers(1.0))
         return error
     if isinstance(exc, EngineDeadError):

@@ -297,6 +297,36 @@ async def test_an_engine_refusal_on_a_replica_reaches_the_caller_as_itself(fleet
         assert refused.prompt_tokens == window + 5 and refused.limit < window + 5
 
 
+async def test_a_prompt_encoded_by_a_tokenizer_the_fleet_no_longer_has_is_refused_and_encoded_anew(fleet):
+    """As at the end of a rolling update that changed the tokenizer, before this process's metrics poll noticed:
+    the tokenizer kept here names a revision no replica has. The router finds none with it and sends the request
+    on; the replica refuses it, on Serve's gRPC path (streams) and Ray's, rather than read its ids as other
+    tokens, and the kept tokenizer goes, so the retry is encoded by the replicas' own."""
+    from fleet.client import LocalTokenizer
+    from inference import GenerationRequest, SamplingParams
+    from inference.errors import TokenizerChangedError
+
+    client = fleet.client
+    ids = await client.encode(CHAT_MODEL, prompt="a request on its way")
+    served = client._tokenizers[CHAT_MODEL][0]
+
+    def request() -> GenerationRequest:
+        return GenerationRequest(prompt_token_ids=ids, params=SamplingParams(max_tokens=2, ignore_eos=True))
+
+    async def streamed() -> None:
+        async for _ in client.stream(CHAT_MODEL, request()):
+            pass
+
+    for call in (lambda: client.generate(CHAT_MODEL, request()), streamed):
+        client._tokenizers[CHAT_MODEL] = (LocalTokenizer(served.tokenizer, "0" * 16), time.monotonic())
+        with pytest.raises(TokenizerChangedError, match=served.revision):
+            await call()
+        assert CHAT_MODEL not in client._tokenizers
+    assert await client.encode(CHAT_MODEL, prompt="a request on its way") == ids
+    assert client._tokenizers[CHAT_MODEL][0].revision == served.revision
+    assert len((await client.generate(CHAT_MODEL, request())).token_ids) == 2
+
+
 async def test_constraints_are_checked_on_the_fleet_before_their_requests(fleet):
     """A bad grammar is refused by a replica's compile, every time it is sent; a good one compiles once for the
     model and then constrains generations wherever they are routed."""
@@ -385,7 +415,9 @@ def test_embeddings_on_the_fleet_name_their_replica_and_outlive_one(fleet, live)
 async def test_a_redeploy_under_the_same_name_is_learnt_without_a_restart(fleet):
     """The operator redeploys the model under its name with other settings (a smaller context here; another
     checkpoint the same way): this process learns it again from the revisions the replicas report, where it kept
-    the old facts until restarted. Last of the module's fleet tests: the model stays redeployed."""
+    the old facts until restarted. The tokenizer is the same on both sides of this update, so the one kept here
+    stays (and its requests may go to any replica meanwhile). Last of the module's fleet tests: the model stays
+    redeployed."""
     import asyncio
 
     from fleet.app import ModelDeployment, deploy
@@ -396,6 +428,10 @@ async def test_a_redeploy_under_the_same_name_is_learnt_without_a_restart(fleet)
     await asyncio.to_thread(serving_replicas, fleet, 2)
     before = {r.revision for r in client.replica_metrics() if r.model == CHAT_MODEL}
     assert len(before) == 1 and "" not in before
+    ids = await client.encode(CHAT_MODEL, prompt="the same ids on either side", raw=True)
+    tokenizer = client._tokenizers[CHAT_MODEL][0]
+    tokenizers = {r.tokenizer_revision for r in client.replica_metrics() if r.model == CHAT_MODEL}
+    assert tokenizers == {tokenizer.revision} and "" not in tokenizers
     smaller = window // 2
     await asyncio.to_thread(deploy, [ModelDeployment(
         model=CHAT_MODEL, source=str(fleet.tiny), replicas=2, num_cpus=0.5,
@@ -411,6 +447,9 @@ async def test_a_redeploy_under_the_same_name_is_learnt_without_a_restart(fleet)
         await asyncio.sleep(0.25)
     assert (await client.char_limit(CHAT_MODEL))[1] == smaller
     assert (await client.info(CHAT_MODEL)).context_window == smaller
+    assert {r.tokenizer_revision for r in client.replica_metrics() if r.model == CHAT_MODEL} == tokenizers
+    assert client._tokenizers[CHAT_MODEL][0] is tokenizer  # kept across the update: not fetched again
+    assert await client.encode(CHAT_MODEL, prompt="the same ids on either side", raw=True) == ids
 
 
 def test_deploy_specs_size_replicas_that_name_no_cpus(catalog):

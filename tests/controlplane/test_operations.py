@@ -23,6 +23,7 @@ from inference.errors import (
     EngineUnreachableError,
     InvalidRequestError,
     PromptTooLongError,
+    TokenizerChangedError,
 )
 
 pytestmark = pytest.mark.django_db
@@ -125,6 +126,7 @@ def test_admin_creates_a_key_through_the_service_and_shows_the_secret_once(clien
     (EngineDeadError("dead"), 503, 5001),
     (EngineLostError("the replica died"), 503, 5001),
     (EngineUnreachableError("gRPC INTERNAL"), 503, 5001),
+    (TokenizerChangedError("encoded by tokenizer revision a; this replica has b"), 503, 5001),
 ])
 def test_engine_errors_map_to_workers_ai_codes(exc, status, code):
     error = from_engine(exc, CHAT_MODEL)

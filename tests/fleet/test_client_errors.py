@@ -15,7 +15,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostErro
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from fleet.actors import note_actor
-from fleet.client import TOKENIZER_RETRY_S, FleetClient, ReplicaLostError, _engine_error
+from fleet.client import TOKENIZER_RETRY_S, FleetClient, LocalTokenizer, ReplicaLostError, _engine_error
 from inference import GenerationRequest
 from inference.errors import EngineDeadError, EngineOverloadedError, EngineUnreachableError
 
@@ -110,6 +110,7 @@ def _client(handle: object, tokenizer_fetched: bool = False) -> FleetClient:
     client._lock, client._tokenizer_gates, client._compiled = threading.Lock(), {}, {}
     client._tokenizers = {"m": (None, time.monotonic())} if tokenizer_fetched else {}
     client._revisions, client._epochs, client._metrics, client._embedders = {}, {}, {}, set()
+    client._tokenizer_revisions = {}
     return client
 
 
@@ -123,22 +124,24 @@ class _Words:
 
 
 def test_the_tokenizer_is_fetched_once_away_from_a_dead_replica_and_requests_are_encoded_here() -> None:
-    handle = _DyingHandle({"tokenizer": _Words()})
+    handle = _DyingHandle({"tokenizer_and_revision": ("a", _Words())})
     client = _client(handle)
     assert asyncio.run(client.encode("m", prompt="one three", raw=True)) == [3, 5]
     assert asyncio.run(client.encode("m", prompt="a bb ccc", raw=True)) == [1, 2, 3]
     assert [(name, route.avoid) for name, route in handle.routes] == [
-        ("tokenizer", frozenset()), ("tokenizer", frozenset({"mxfgth0q"}))]  # nothing encoded on a replica
+        ("tokenizer_and_revision", frozenset()), ("tokenizer_and_revision", frozenset({"mxfgth0q"}))]  # nothing
+    # encoded on a replica
 
 
 def test_replicas_that_give_no_tokenizer_encode_until_the_fetch_is_tried_again() -> None:
-    old = RayTaskError("tokenizer", "traceback", AttributeError("EngineReplica has no attribute 'tokenizer'"))
-    handle = _DyingHandle({"tokenizer": old})
+    old = RayTaskError("tokenizer_and_revision", "traceback",  # a replica of an earlier release
+                       AttributeError("EngineReplica has no attribute 'tokenizer_and_revision'"))
+    handle = _DyingHandle({"tokenizer_and_revision": old})
     client = _client(handle)
     assert asyncio.run(client.encode("m", prompt="hi", raw=True)) == ("encode", (), {"prompt": "hi", "raw": True})
     asyncio.run(client.encode("m", prompt="again", raw=True))
-    assert [name for name, _ in handle.routes].count("tokenizer") == 2  # the death's retry, then no more
-    handle.answers["tokenizer"] = _Words()  # the update finished
+    assert [name for name, _ in handle.routes].count("tokenizer_and_revision") == 2  # the death's retry, then no more
+    handle.answers["tokenizer_and_revision"] = ("a", _Words())  # the update finished
     client._tokenizers["m"] = (None, time.monotonic() - TOKENIZER_RETRY_S - 1)
     assert asyncio.run(client.encode("m", prompt="a bb", raw=True)) == [1, 2]
 
@@ -210,11 +213,12 @@ def test_what_ray_and_serve_raise_on_the_way_is_a_retryable_503_and_a_cancellati
 
 
 class _BrokenWay:
-    """A deployment handle whose calls end with gRPC's INTERNAL, as Serve's gRPC path raises it: at once, or for
-    a stream after `outputs` outputs. Counts the calls."""
+    """A deployment handle whose calls end with gRPC's INTERNAL, as Serve's gRPC path raises it (or with what
+    `error` makes): at once, or for a stream after `outputs` outputs. Counts the calls."""
 
-    def __init__(self, outputs: int = 0) -> None:
+    def __init__(self, outputs: int = 0, error: Callable[[], BaseException] | None = None) -> None:
         self.calls, self.outputs = 0, outputs
+        self.error = error or (lambda: _rpc_error(grpc.StatusCode.INTERNAL, "received RST_STREAM"))
 
     def options(self, **_: object) -> _BrokenWay:
         return self
@@ -225,25 +229,24 @@ class _BrokenWay:
         class _Method:
             def remote(self, *args: object, **kwargs: object) -> object:
                 handle.calls += 1
-                return _Stream(handle.outputs) if method == "stream" else _Response(_fail)
+                async def fail() -> object:
+                    raise handle.error()
+
+                return _Stream(handle.outputs, handle.error) if method == "stream" else _Response(fail)
 
         return _Method()
 
 
-async def _fail() -> object:
-    raise _rpc_error(grpc.StatusCode.INTERNAL, "received RST_STREAM")
-
-
 class _Stream:
-    def __init__(self, outputs: int) -> None:
-        self.left = outputs
+    def __init__(self, outputs: int, error: Callable[[], BaseException]) -> None:
+        self.left, self.error = outputs, error
 
     def __aiter__(self) -> _Stream:
         return self
 
     async def __anext__(self) -> str:
         if self.left == 0:
-            await _fail()
+            raise self.error()
         self.left -= 1
         return "an output"
 
@@ -270,16 +273,18 @@ def test_a_call_the_way_failed_is_not_sent_again_and_reaches_the_caller_as_the_e
 
 
 class _Revising(_DyingHandle):
-    """A handle whose replicas report `revisions` (what each serves) to a metrics broadcast; a revision of None
-    is a replica of an older release, which reports none."""
+    """A handle whose replicas report `revisions` (what each serves, and its tokenizer's revision, "t" and the
+    same letter unless `tokenizers` says otherwise) to a metrics broadcast; a revision of None is a replica of an
+    older release, which reports none."""
 
     def __init__(self, answers: dict[str, object]) -> None:
         super().__init__(answers)
         self.revisions: list[str | None] = ["a", "a"]
+        self.tokenizers: dict[str, str] = {}  # revision -> its tokenizer's, where not "t" + revision
 
     def broadcast(self, method: str) -> object:
         assert method == "metrics"
-        rows = [(f"r{i}", object(), 8) + ((rev,) if rev is not None else ())
+        rows = [(f"r{i}", object(), 8) + ((rev, self.tokenizers.get(rev, "t" + rev)) if rev is not None else ())
                 for i, rev in enumerate(self.revisions)]
 
         class _All:
@@ -292,7 +297,7 @@ class _Revising(_DyingHandle):
 def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another_revision() -> None:
     from inference.constrained import Constraint
 
-    handle = _Revising({"tokenizer": _Words(), "char_limit": (400, 100)})
+    handle = _Revising({"tokenizer_and_revision": ("ta", _Words()), "char_limit": (400, 100)})
     client = _client(handle)
     regex = Constraint.regex("[a-z]+")
 
@@ -304,22 +309,43 @@ def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another
         asyncio.run(client.compile("m", regex))
         return [name for name, _ in handle.routes[before:]]
 
+    def tokenizer_asked() -> str:
+        """The tokenizer revision a generation's route names: the router keeps it on replicas with that one."""
+        asyncio.run(client.generate("m", GenerationRequest(prompt_token_ids=[1, 2])))
+        name, route = handle.routes[-1]
+        assert name == "generate"
+        return route.tokenizer_revision
+
     client.refresh_metrics()
-    assert use() == ["tokenizer", "tokenizer", "char_limit", "char_limit", "compile", "compile"]  # (a death each)
+    assert use() == ["tokenizer_and_revision", "tokenizer_and_revision", "char_limit", "char_limit", "compile",
+                     "compile"]  # (a death each)
+    assert tokenizer_asked() == "ta"
     client.refresh_metrics()
     assert use() == []  # the same revisions: all kept
-    handle.revisions = ["a", "b"]  # a rolling update begins
+    handle.revisions = ["a", "b"]  # a rolling update to another tokenizer begins
     client.refresh_metrics()
-    assert use() == ["tokenizer", "char_limit", "compile"]
-    assert [r.revision for r in client.replica_metrics()] == ["a", "b"]
-    handle.revisions = ["b", "b"]  # and ends: what an old replica answered meanwhile is dropped too
+    # The tokenizer stays while a replica has it, and its requests ask for such replicas: one fetched now could
+    # come from either side.
+    assert use() == ["char_limit", "compile"]
+    assert tokenizer_asked() == "ta"
+    assert [(r.revision, r.tokenizer_revision) for r in client.replica_metrics()] == [("a", "ta"), ("b", "tb")]
+    handle.revisions = ["b", "b"]  # and ends: the old tokenizer goes, and what an old replica answered meanwhile
+    handle.answers["tokenizer_and_revision"] = ("tb", _Words())
     client.refresh_metrics()
-    assert use() == ["tokenizer", "char_limit", "compile"]
+    assert tokenizer_asked() == ""  # no tokenizer kept: none to ask for until one is fetched
+    assert use() == ["tokenizer_and_revision", "char_limit", "compile"]
+    assert tokenizer_asked() == "tb"
     client.refresh_metrics()
     assert use() == []
-    handle.revisions = ["b", None]  # a replica of an older release reports no revision
+    handle.revisions, handle.tokenizers = ["b", "c"], {"c": "tb"}  # other settings or weights, the same tokenizer
     client.refresh_metrics()
-    assert use() == ["tokenizer", "char_limit", "compile"]
+    assert use() == ["char_limit", "compile"] and tokenizer_asked() == "tb"
+    handle.revisions = ["c", None]  # a replica of an older release reports no revision
+    client.refresh_metrics()
+    assert use() == ["char_limit", "compile"]
+    handle.revisions, handle.answers["tokenizer_and_revision"] = ["d", "d"], ("td", _Words())
+    client.refresh_metrics()
+    assert use() == ["tokenizer_and_revision", "char_limit", "compile"] and tokenizer_asked() == "td"
 
 
 def test_a_fetch_across_a_change_of_revision_is_not_kept() -> None:
@@ -363,3 +389,25 @@ def test_an_embedding_models_replicas_are_not_asked_for_engine_gauges() -> None:
     client.refresh_metrics()
     assert ("broadcast", None) in chat.routes and ("broadcast", None) not in embedder.routes
     assert {r.model for r in client.replica_metrics()} == {"m"}
+
+
+def test_a_refusal_for_another_tokenizer_drops_the_one_kept_here_and_is_not_sent_again() -> None:
+    """A replica refuses a prompt encoded by a tokenizer it does not have (the fleet was redeployed with another
+    one and none of the old replicas is left): the caller gets the 503 to retry, and its retry is encoded anew."""
+    from inference.errors import TokenizerChangedError
+
+    def refusal() -> BaseException:
+        return RayTaskError("generate", "traceback", TokenizerChangedError("tokenizer revision ta; this has tb"))
+
+    request = GenerationRequest(prompt_token_ids=[1, 2, 3])
+
+    async def read(client: FleetClient) -> list[object]:
+        return [out async for out in client.stream("m", request)]
+
+    for call in (lambda client: asyncio.run(client.generate("m", request)), lambda client: asyncio.run(read(client))):
+        handle = _BrokenWay(error=refusal)
+        client = _client(handle)
+        client._tokenizers["m"] = (LocalTokenizer(_Words(), "ta"), time.monotonic())
+        with pytest.raises(TokenizerChangedError):
+            call(client)
+        assert handle.calls == 1 and "m" not in client._tokenizers  # refused: nothing ran; what encoded it goes

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.replica import EngineReplica, model_revision
+from fleet.replica import EngineReplica, model_revision, tokenizer_revision
 from inference import GenerationRequest, RequestOutput, SamplingParams
 from tests.engine.conftest import build_tiny_model
 
@@ -80,8 +80,13 @@ def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(repl
     import os
     import shutil
 
-    name, _, _, published = asyncio.run(replica.metrics())
+    name, _, _, published, _ = asyncio.run(replica.metrics())
     assert name == replica.name and published == replica.revision == model_revision(replica.model, replica_settings)
+    tokens = replica.tokenizer_revision
+    assert replica.record_routing_stats()["tokenizer_revision"] == tokens  # the router keeps its ids on it
+    assert asyncio.run(replica.metrics())[4] == tokens == tokenizer_revision(replica.model)
+    revision, tokenizer = asyncio.run(replica.tokenizer_and_revision())
+    assert revision == tokens and tokenizer.encode("a b") == replica.engine.tokenizer.encode("a b")
     settings = {"dtype": "float32"}
     first = model_revision(replica.model, settings)
     assert model_revision(replica.model, dict(settings)) == first  # what it serves, not when it was asked
@@ -91,17 +96,50 @@ def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(repl
     other = tmp_path / "copy"
     shutil.copytree(replica.model, other, copy_function=shutil.copyfile)
     (other / "hearth.json").write_text(json.dumps({"installed_at": "elsewhere"}))
-    tokenizer = other / "tokenizer.json"
-    os.utime(tokenizer, ns=(tokenizer.stat().st_atime_ns, tokenizer.stat().st_mtime_ns + 10**9))
-    assert model_revision(str(other), settings) == first
+    tokenizer_file = other / "tokenizer.json"
+    os.utime(tokenizer_file, ns=(tokenizer_file.stat().st_atime_ns, tokenizer_file.stat().st_mtime_ns + 10**9))
+    assert (model_revision(str(other), settings), tokenizer_revision(str(other))) == (first, tokens)
 
-    vocab = json.loads(tokenizer.read_text())  # the tokenizer written again, with one token more
+    # Other weights (of another size: their values alone are nothing a caller keeps) or another config: another
+    # revision, the same tokenizer.
+    weights = next(p for p in other.iterdir() if p.suffix == ".safetensors")
+    with weights.open("ab") as f:
+        f.write(b"\0" * 8)
+    heavier = model_revision(str(other), settings)
+    assert heavier != first and tokenizer_revision(str(other)) == tokens
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    assert model_revision(str(other), settings) not in (first, heavier) and tokenizer_revision(str(other)) == tokens
+
+    vocab = json.loads(tokenizer_file.read_text())  # the tokenizer written again, with one token more
     vocab["added_tokens"] = [*vocab.get("added_tokens", []), {"id": 10**6, "content": "<new>", "single_word": False,
                              "lstrip": False, "rstrip": False, "normalized": False, "special": True}]
-    tokenizer.write_text(json.dumps(vocab))
-    changed = model_revision(str(other), settings)
-    assert changed != first
-    weights = next(p for p in other.iterdir() if p.suffix == ".safetensors")
-    with weights.open("ab") as f:  # other weights of another size (the values alone are nothing a caller keeps)
-        f.write(b"\0" * 8)
-    assert model_revision(str(other), settings) != changed
+    tokenizer_file.write_text(json.dumps(vocab))
+    assert tokenizer_revision(str(other)) != tokens
+
+
+def test_a_prompt_encoded_by_another_tokenizer_is_refused_before_it_runs(replica: EngineReplica) -> None:
+    """The router keeps a request on replicas with the tokenizer that encoded it; when none is left (an update
+    that changed the tokenizer ended before the caller noticed), the replica refuses it rather than read its ids
+    as other tokens."""
+    import asyncio
+
+    from fleet.routing import RouteHint
+    from inference.errors import TokenizerChangedError
+
+    def request() -> GenerationRequest:
+        return GenerationRequest([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+    async def streamed(route: RouteHint) -> list[RequestOutput]:
+        return [out async for out in replica.stream(request(), route=route)]
+
+    prompts_before = replica.engine.metrics().prompt_tokens_total
+    other = RouteHint(tokenizer_revision="0" * 16)
+    with pytest.raises(TokenizerChangedError, match=replica.tokenizer_revision):
+        asyncio.run(replica.generate(request(), route=other))
+    with pytest.raises(TokenizerChangedError):
+        asyncio.run(streamed(other))
+    assert replica.engine.metrics().prompt_tokens_total == prompts_before  # nothing ran
+    for route in (RouteHint(tokenizer_revision=replica.tokenizer_revision), RouteHint(), None):
+        assert len(asyncio.run(replica.generate(request(), route=route)).token_ids) == 2
+    assert asyncio.run(streamed(RouteHint(tokenizer_revision=replica.tokenizer_revision)))[-1].finished

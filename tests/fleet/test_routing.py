@@ -198,6 +198,29 @@ def test_otherwise_the_least_loaded_replica_and_a_full_ranking() -> None:
     assert "r1" not in Policy().decide(RouteHint(avoid=frozenset({"r1"})), state).ranking
 
 
+def test_a_prompt_encoded_by_one_tokenizer_stays_on_replicas_with_it_while_there_are_any() -> None:
+    """During a rolling update that changes the tokenizer, the same ids are other tokens on the other side: a
+    request names the tokenizer revision that encoded it, and every rule ranks only replicas with that one."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(1000) for _ in range(6 * BS)]
+    keys = frozenset(short_key(k) for k in prefix_chain(prompt, BS))
+    state = replicas(0, 3, 5, r0={"tokenizer_revision": "new", "prefix": keys, "adapters": frozenset({"a:1"})},
+                     r1={"tokenizer_revision": "old"}, r2={"tokenizer_revision": "old"})
+    policy = Policy()
+    home = next(s for s in sessions(64) if policy.decide(RouteHint(session=s), state).ranking[0] == "r0")
+    old = "old"
+    for hint in (RouteHint(tokenizer_revision=old), RouteHint(tokenizer_revision=old, prompt=prompt),
+                 RouteHint(tokenizer_revision=old, adapter="a:1"),
+                 RouteHint(tokenizer_revision=old, session=home, prompt=prompt)):
+        decision = Policy().decide(hint, state)
+        assert decision.ranking == ["r1", "r2"], (hint, decision)  # least loaded of the old ones; r0 not at all
+    assert Policy().decide(RouteHint(tokenizer_revision="new", prompt=prompt), state).ranking[0] == "r0"
+    # None with it left (the update ended before the client noticed): all of them, as before.
+    assert sorted(Policy().decide(RouteHint(tokenizer_revision="gone"), state).ranking) == ["r0", "r1", "r2"]
+    # One that failed the request is avoided first, then the others with its tokenizer are preferred.
+    assert Policy().decide(RouteHint(tokenizer_revision=old, avoid=frozenset({"r1"})), state).ranking == ["r2"]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_prefix_chain_is_the_engines_own_cache_key(seed: int) -> None:
     """The router's keys are the block manager's: a prompt the engine cached is found by its chain."""
@@ -227,3 +250,33 @@ def test_the_router_adds_what_it_sent_since_a_replica_stamped_its_queue() -> Non
     assert router._prefill_tokens("r1", {"prefill_tokens": 0, "at": 102.0}) == 0
     # A replica that stamps nothing: everything this router has in flight there.
     assert router._prefill_tokens("r0", {}) == 540
+
+
+def test_the_router_reads_each_replicas_tokenizer_from_its_stats() -> None:
+    """Through Serve's interface (its replica and request objects stood in for): a request encoded by the old
+    tokenizer reaches the old replica though the new one is idle, and one that names none goes by load."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray
+
+    from fleet.router import ROUTE_KWARG, HearthRouter
+
+    router = HearthRouter.__new__(HearthRouter)
+    router.initialize_state()
+
+    def replica(label: str, tokenizer: str) -> SimpleNamespace:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=label), actor_id=ray.ActorID.from_random(),
+                               routing_stats={"slots": 8, "tokenizer_revision": tokenizer})
+
+    def request(n: int, hint: RouteHint) -> SimpleNamespace:
+        return SimpleNamespace(kwargs={ROUTE_KWARG: hint}, routing_context=SimpleNamespace(should_backoff=False),
+                               metadata=SimpleNamespace(internal_request_id=f"q{n}"))
+
+    old, new = replica("old1", "ta"), replica("new1", "tb")
+    router.inflight["old1"] = 5  # busy
+    for n in range(3):
+        ranks = asyncio.run(router.choose_replicas([new, old], request(n, RouteHint(tokenizer_revision="ta"))))
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["old1"]]
+    ranks = asyncio.run(router.choose_replicas([new, old], request(9, RouteHint())))
+    assert ranks[0][0].replica_id.unique_id == "new1"
