@@ -404,8 +404,8 @@ class FleetClient:
             if known is None or known[0] is None or not known[0].revision or known[0].revision not in tokenizers:
                 self._tokenizers.pop(model, None)
             self._epochs[model] = self._epoch(model) + 1
-        log.info("the replicas of %s serve another revision (%s, before %s): what was kept of it is fetched again",
-                 model, sorted(revisions), sorted(before))
+        log.info("the replicas of %s serve another revision (%s, before %s): what was kept of it is fetched again "
+                 "(its tokenizer too, unless replicas with it remain)", model, sorted(revisions), sorted(before))
 
     def replica_metrics(self) -> list[ReplicaMetrics]:
         with self._lock:
