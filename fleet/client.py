@@ -131,9 +131,10 @@ class LocalTokenizer:
     Serve took 5.0-5.6 ms for a 667-token chat on a Zen 4 VM, 1.4 ms here) and the replicas' cores only run
     their engines."""
 
-    def __init__(self, tokenizer: Any, revision: str = "") -> None:
+    def __init__(self, tokenizer: Any, revision: str = "", vocabulary: str = "") -> None:
         self.tokenizer = tokenizer
         self.revision = revision  # its tokenizer_revision, as the replica it came from reported it
+        self.vocabulary = vocabulary  # its vocabulary_revision: what the ids it encodes stand for
         self._lock = threading.Lock()  # one thread at a time, as the engine's own
 
     def encode(self, **kwargs: Any) -> list[int]:
@@ -256,9 +257,9 @@ class FleetClient:
             route, epoch = ANYWHERE, self._epoch(model)
             for attempt in (1, 2):
                 try:
-                    revision, tokenizer = handle.tokenizer_and_revision.remote(route=route).result(
+                    revision, vocabulary, tokenizer = handle.tokenizer_and_revisions.remote(route=route).result(
                         timeout_s=TOKENIZER_WAIT_S)
-                    local = LocalTokenizer(tokenizer, revision)
+                    local = LocalTokenizer(tokenizer, revision, vocabulary)
                     break
                 except Exception as exc:
                     mapped = _engine_error(exc)
@@ -301,13 +302,17 @@ class FleetClient:
         return self.adapters.cached(lora.name) or await asyncio.to_thread(self.adapters.get, lora.name, lora.path)
 
     def _hint(self, model: str, request: GenerationRequest, session: str) -> RouteHint:
-        """Where the request would be best served. It names the revision of the tokenizer kept here, the one that
+        """Where the request would be best served. It names the revisions of the tokenizer kept here, the one that
         encoded it (unless a change of revision dropped that one in between: then, as for a request the replicas
-        encoded, none), so that it reaches replicas whose tokenizer reads its ids as the same tokens."""
+        encoded, none), so that it reaches replicas that read its ids as the same tokens: its vocabulary's decides
+        (a new chat template alone changes only the tokenizer's), the tokenizer's for replicas of the release
+        before."""
         known = self._tokenizers.get(model)
+        local = known[0] if known is not None else None
         return RouteHint(session=session, prompt=tuple(request.prompt_token_ids), extra_keys=request.extra_keys,
                          adapter=request.lora.name if request.lora is not None else None,
-                         tokenizer_revision=known[0].revision if known is not None and known[0] is not None else "")
+                         tokenizer_revision=local.revision if local is not None else "",
+                         vocabulary_revision=local.vocabulary if local is not None else "")
 
     async def generate(self, model: str, request: GenerationRequest, session: str = "") -> RequestOutput:
         bundle = await self._bundle(request)

@@ -52,18 +52,42 @@ def replica_name() -> str:
 # tokenizer.json of a large vocabulary is tens of MB); larger ones, the weights, by their name and size.
 REVISION_CONTENT_BYTES = 64 * 2**20
 # What transformers' AutoTokenizer reads a tokenizer and its chat template from: only a change among these files
-# changes which tokens a prompt's ids stand for.
+# changes which tokens a prompt's ids stand for, or how messages are laid out as text before they are encoded.
 TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template", "spiece",
                    "sentencepiece")
+# Files that hold a chat template alone (chat_template.jinja, .json), and the entry of tokenizer_config.json that
+# holds one: how messages become text, never which token an id stands for.
+TEMPLATE_FILES = ("chat_template",)
+TEMPLATE_KEY = "chat_template"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
-def _files_digest(model: str, digest: Any, keep: Callable[[str], bool]) -> str:
+def _without_template(path: str) -> bytes | None:
+    """tokenizer_config.json's content without its chat template (sorted, so the file's layout counts for nothing);
+    None where it is not a JSON object (then its bytes count as they are)."""
+    try:
+        with open(path, "rb") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    config.pop(TEMPLATE_KEY, None)
+    return json.dumps(config, sort_keys=True, default=str).encode()
+
+
+def _files_digest(model: str, digest: Any, keep: Callable[[str], bool], templates: bool = True) -> str:
     """`digest` updated with the checkpoint's files that `keep` takes by name (in name order): the small ones by
     name and content, larger ones by name and size. The installer's marker (inference/models: when and from what
-    it converted, which differs from node to node) is never taken."""
+    it converted, which differs from node to node) is never taken. Without `templates`, tokenizer_config.json
+    counts by its content without the chat template."""
     with os.scandir(resolve_model(model)) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
             if not entry.is_file() or entry.name == MARKER_FILE or not keep(entry.name):
+                continue
+            stripped = None if templates or entry.name != TOKENIZER_CONFIG else _without_template(entry.path)
+            if stripped is not None:
+                digest.update(f"{entry.name}\0".encode() + hashlib.sha256(stripped).digest() + b"\n")
                 continue
             size = entry.stat().st_size
             digest.update(f"{entry.name}\0{size}\0".encode())
@@ -87,12 +111,22 @@ def model_revision(model: str, engine_settings: Mapping[str, Any]) -> str:
 
 
 def tokenizer_revision(model: str) -> str:
-    """What the ids of a prompt encoded by this model's tokenizer stand for: its tokenizer files' content. A
-    caller that encodes its requests itself keeps the tokenizer while replicas with the same tokenizer revision
-    remain and names it on each request, so that during a rolling update the router sends them only there. Apart
-    from `model_revision`: an update that changes only the weights or the engine settings leaves the tokenizer,
-    and its requests may go to any replica."""
+    """The tokenizer a caller that encodes its requests itself keeps (fleet.client), chat template included: its
+    files' content. The caller keeps it while replicas with the same tokenizer revision remain. Apart from
+    `model_revision`: an update that changes only the weights or the engine settings leaves the tokenizer."""
     return _files_digest(model, hashlib.sha256(b"tokenizer"), lambda name: name.startswith(TOKENIZER_FILES))
+
+
+def vocabulary_revision(model: str) -> str:
+    """What the ids of a prompt encoded by this model's tokenizer stand for: the tokenizer's files without its chat
+    template. Each request names that of the tokenizer that encoded it, so that during a rolling update the router
+    sends it only to replicas that read its ids as the same tokens, and a replica refuses one it would read as
+    others. A new chat template alone (an operator's fix of how messages are laid out) changes the tokenizer the
+    caller keeps, not this: the requests its old tokenizer encoded may go to any replica meanwhile, and none of
+    them is refused once the update ends."""
+    return _files_digest(model, hashlib.sha256(b"vocabulary"),
+                         lambda name: name.startswith(TOKENIZER_FILES) and not name.startswith(TEMPLATE_FILES),
+                         templates=False)
 
 
 def adapter_root() -> Path:
@@ -109,6 +143,7 @@ class EngineReplica:
         self.engine = AsyncEngine.from_model(model, EngineConfig.from_settings(engine_settings))
         self.revision = model_revision(model, engine_settings)
         self.tokenizer_revision = tokenizer_revision(model)
+        self.vocabulary_revision = vocabulary_revision(model)
         self.name = replica_name()
         self.block_size = self.engine.engine.config.block_size
         self.adapters = LocalAdapters(adapter_root(), budget_bytes(DISK_MB_ENV, ADAPTER_DISK_MB))
@@ -126,6 +161,7 @@ class EngineReplica:
         return {"running": m.running, "waiting": m.queue_depth, "slots": self.engine.engine.config.max_num_seqs,
                 "kv_usage": m.kv_usage, "block_size": self.block_size, "at": taken_at,
                 "prefill_tokens": m.interactive_prefill_tokens, "tokenizer_revision": self.tokenizer_revision,
+                "vocabulary_revision": self.vocabulary_revision,
                 "prefix": b"".join(k[:KEY_BYTES] for k in keys), "adapters": list(m.lora_resident or ())}
 
     # ------------------------------------------------------------------ engine calls
@@ -143,10 +179,17 @@ class EngineReplica:
         return await asyncio.to_thread(self.engine.tokenizer_copy)
 
     async def tokenizer_and_revision(self, route: RouteHint | None = None) -> tuple[str, Any]:
-        """The engine's tokenizer and its `tokenizer_revision`, for a caller that encodes its requests itself
-        (fleet.client does): it names that revision when it sends them, so that during a rolling update the
-        router keeps them on replicas whose tokenizer reads the same ids as the same tokens."""
+        """The engine's tokenizer and its `tokenizer_revision`, for a caller of the release before
+        `tokenizer_and_revisions`."""
         return self.tokenizer_revision, await asyncio.to_thread(self.engine.tokenizer_copy)
+
+    async def tokenizer_and_revisions(self, route: RouteHint | None = None) -> tuple[str, str, Any]:
+        """The engine's tokenizer with its `tokenizer_revision` and `vocabulary_revision`, for a caller that
+        encodes its requests itself (fleet.client does): it keeps the tokenizer while the first is served, and
+        names the second when it sends them, so that during a rolling update the router keeps them on replicas
+        that read the same ids as the same tokens."""
+        return (self.tokenizer_revision, self.vocabulary_revision,
+                await asyncio.to_thread(self.engine.tokenizer_copy))
 
     async def char_limit(self, route: RouteHint | None = None) -> tuple[int, int]:
         """Characters past which no prompt fits the context, and the context length."""
@@ -168,14 +211,19 @@ class EngineReplica:
         return request
 
     def _same_tokenizer(self, route: RouteHint | None) -> None:
-        """Refuse a prompt encoded by another tokenizer than this replica's: the router sends one only where its
-        tokenizer is, unless none is left (an update that changed the tokenizer ended before the caller noticed).
-        Its ids would be read as other tokens here; refused, nothing ran, and the caller encodes it anew."""
-        wanted = route.tokenizer_revision if route is not None else ""
-        if wanted and wanted != self.tokenizer_revision:
+        """Refuse a prompt encoded by a tokenizer whose ids stand for other tokens than this replica's: the router
+        sends one only where its vocabulary is, unless none is left (an update that changed the vocabulary ended
+        before the caller noticed). Its ids would be read as other tokens here; refused, nothing ran, and the
+        caller encodes it anew. A caller of the release before names only the whole tokenizer's revision."""
+        if route is None:
+            return
+        if route.vocabulary_revision:
+            wanted, mine, what = route.vocabulary_revision, self.vocabulary_revision, "vocabulary"
+        else:
+            wanted, mine, what = route.tokenizer_revision, self.tokenizer_revision, "tokenizer"
+        if wanted and wanted != mine:
             raise TokenizerChangedError(
-                f"the prompt was encoded by tokenizer revision {wanted}; this replica of {self.model} has "
-                f"{self.tokenizer_revision}")
+                f"the prompt was encoded by {what} revision {wanted}; this replica of {self.model} has {mine}")
 
     async def generate(self, request: GenerationRequest, route: RouteHint | None = None,
                        adapter: AdapterBundle | None = None) -> RequestOutput:

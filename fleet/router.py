@@ -67,7 +67,8 @@ class HearthRouter(RequestRouter):
             kv_usage=float(stats.get("kv_usage", 0.0)), prefix=self._prefix(label, stats.get("prefix", b"")),
             adapters=frozenset(stats.get("adapters", ())), block_size=int(stats.get("block_size", 16)),
             prefill_tokens=self._prefill_tokens(label, stats),
-            tokenizer_revision=str(stats.get("tokenizer_revision", "")))
+            tokenizer_revision=str(stats.get("tokenizer_revision", "")),
+            vocabulary_revision=str(stats.get("vocabulary_revision", "")))
 
     def _prefill_tokens(self, label: str, stats: dict[str, Any]) -> int:
         """Prompt tokens queued at a replica: what it published (every router's requests), plus what this

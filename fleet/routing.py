@@ -18,9 +18,10 @@ ahead of it, while requests that are only decoding cost it little (they share it
 requests alone sent a new ~600-token prompt behind another one being computed while the other replica only
 decoded (the fleet notes of 12-07 in docs/benchmarks.md).
 Every answer is a full ranking: the caller (Ray Serve's router) falls through it when a replica refuses.
-Before all of these, a request whose prompt was encoded with one revision of the model's tokenizer
-(fleet.replica.tokenizer_revision) goes only to replicas with that tokenizer while there are any: during a rolling
-update that changes the tokenizer, the same ids mean other tokens to the other replicas.
+Before all of these, a request whose prompt was encoded with one revision of the model's vocabulary
+(fleet.replica.vocabulary_revision: the tokenizer without its chat template) goes only to replicas with that
+vocabulary while there are any: during a rolling update that changes it, the same ids mean other tokens to the
+other replicas. (A caller of the release before names the whole tokenizer's revision: the same rule on that.)
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ReplicaState:
     block_size: int = 16
     prefill_tokens: int = 0  # interactive prompt tokens queued there to compute (published, plus sent since)
     tokenizer_revision: str = ""  # its tokenizer's (fleet.replica.tokenizer_revision); "" before it reports one
+    vocabulary_revision: str = ""  # what its ids stand for (fleet.replica.vocabulary_revision); "" as above
 
     @property
     def pressure(self) -> float:
@@ -77,6 +79,9 @@ class RouteHint:
     adapter: str | None = None
     avoid: frozenset[str] = frozenset()  # replicas that already failed this request
     tokenizer_revision: str = ""  # that of the tokenizer that encoded the prompt ("": not known, any replica)
+    # What its ids stand for (that tokenizer's vocabulary_revision): where given, it decides instead. Last, so a
+    # replica of the release before, which unpickles the fields it knows in order, reads the rest as it did.
+    vocabulary_revision: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +146,9 @@ class Policy:
     def decide(self, hint: RouteHint, replicas: Sequence[ReplicaState],
                routed: PrefixMemory | None = None) -> Decision:
         usable = [r for r in replicas if r.id not in hint.avoid] or list(replicas)
-        if hint.tokenizer_revision:  # its ids are that tokenizer's tokens (none left: the client learns anew)
+        if hint.vocabulary_revision:  # its ids are that vocabulary's tokens (none left: the client learns anew)
+            usable = [r for r in usable if r.vocabulary_revision == hint.vocabulary_revision] or usable
+        elif hint.tokenizer_revision:  # a caller of the release before
             usable = [r for r in usable if r.tokenizer_revision == hint.tokenizer_revision] or usable
         if not usable:
             return Decision([], "none")

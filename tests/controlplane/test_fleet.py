@@ -298,10 +298,11 @@ async def test_an_engine_refusal_on_a_replica_reaches_the_caller_as_itself(fleet
 
 
 async def test_a_prompt_encoded_by_a_tokenizer_the_fleet_no_longer_has_is_refused_and_encoded_anew(fleet):
-    """As at the end of a rolling update that changed the tokenizer, before this process's metrics poll noticed:
-    the tokenizer kept here names a revision no replica has. The router finds none with it and sends the request
-    on; the replica refuses it, on Serve's gRPC path (streams) and Ray's, rather than read its ids as other
-    tokens, and the kept tokenizer goes, so the retry is encoded by the replicas' own."""
+    """As at the end of a rolling update that changed the tokenizer's vocabulary, before this process's metrics
+    poll noticed: the tokenizer kept here names a vocabulary revision no replica has. The router finds none with
+    it and sends the request on; the replica refuses it, on Serve's gRPC path (streams) and Ray's, rather than
+    read its ids as other tokens, and the kept tokenizer goes, so the retry is encoded by the replicas' own. After
+    an update of the chat template alone the ids read the same everywhere: nothing is refused."""
     from fleet.client import LocalTokenizer
     from inference import GenerationRequest, SamplingParams
     from inference.errors import TokenizerChangedError
@@ -317,14 +318,23 @@ async def test_a_prompt_encoded_by_a_tokenizer_the_fleet_no_longer_has_is_refuse
         async for _ in client.stream(CHAT_MODEL, request()):
             pass
 
+    assert served.vocabulary and served.vocabulary != served.revision
     for call in (lambda: client.generate(CHAT_MODEL, request()), streamed):
-        client._tokenizers[CHAT_MODEL] = (LocalTokenizer(served.tokenizer, "0" * 16), time.monotonic())
-        with pytest.raises(TokenizerChangedError, match=served.revision):
+        client._tokenizers[CHAT_MODEL] = (LocalTokenizer(served.tokenizer, served.revision, "0" * 16),
+                                          time.monotonic())
+        with pytest.raises(TokenizerChangedError, match=served.vocabulary):
             await call()
         assert CHAT_MODEL not in client._tokenizers
     assert await client.encode(CHAT_MODEL, prompt="a request on its way") == ids
-    assert client._tokenizers[CHAT_MODEL][0].revision == served.revision
+    kept = client._tokenizers[CHAT_MODEL][0]
+    assert (kept.revision, kept.vocabulary) == (served.revision, served.vocabulary)
     assert len((await client.generate(CHAT_MODEL, request())).token_ids) == 2
+    templated = LocalTokenizer(served.tokenizer, "1" * 16, served.vocabulary)  # another template, same vocabulary
+    client._tokenizers[CHAT_MODEL] = (templated, time.monotonic())
+    assert len((await client.generate(CHAT_MODEL, request())).token_ids) == 2
+    await streamed()
+    assert client._tokenizers[CHAT_MODEL][0] is templated  # nothing refused, nothing dropped
+    client._tokenizers[CHAT_MODEL] = (kept, time.monotonic())
 
 
 async def test_constraints_are_checked_on_the_fleet_before_their_requests(fleet):

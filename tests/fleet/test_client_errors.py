@@ -124,24 +124,24 @@ class _Words:
 
 
 def test_the_tokenizer_is_fetched_once_away_from_a_dead_replica_and_requests_are_encoded_here() -> None:
-    handle = _DyingHandle({"tokenizer_and_revision": ("a", _Words())})
+    handle = _DyingHandle({"tokenizer_and_revisions": ("a", "va", _Words())})
     client = _client(handle)
     assert asyncio.run(client.encode("m", prompt="one three", raw=True)) == [3, 5]
     assert asyncio.run(client.encode("m", prompt="a bb ccc", raw=True)) == [1, 2, 3]
     assert [(name, route.avoid) for name, route in handle.routes] == [
-        ("tokenizer_and_revision", frozenset()), ("tokenizer_and_revision", frozenset({"mxfgth0q"}))]  # nothing
+        ("tokenizer_and_revisions", frozenset()), ("tokenizer_and_revisions", frozenset({"mxfgth0q"}))]  # nothing
     # encoded on a replica
 
 
 def test_replicas_that_give_no_tokenizer_encode_until_the_fetch_is_tried_again() -> None:
-    old = RayTaskError("tokenizer_and_revision", "traceback",  # a replica of an earlier release
-                       AttributeError("EngineReplica has no attribute 'tokenizer_and_revision'"))
-    handle = _DyingHandle({"tokenizer_and_revision": old})
+    old = RayTaskError("tokenizer_and_revisions", "traceback",  # a replica of an earlier release
+                       AttributeError("EngineReplica has no attribute 'tokenizer_and_revisions'"))
+    handle = _DyingHandle({"tokenizer_and_revisions": old})
     client = _client(handle)
     assert asyncio.run(client.encode("m", prompt="hi", raw=True)) == ("encode", (), {"prompt": "hi", "raw": True})
     asyncio.run(client.encode("m", prompt="again", raw=True))
-    assert [name for name, _ in handle.routes].count("tokenizer_and_revision") == 2  # the death's retry, then no more
-    handle.answers["tokenizer_and_revision"] = ("a", _Words())  # the update finished
+    assert [name for name, _ in handle.routes].count("tokenizer_and_revisions") == 2  # the death's retry, then no more
+    handle.answers["tokenizer_and_revisions"] = ("a", "va", _Words())  # the update finished
     client._tokenizers["m"] = (None, time.monotonic() - TOKENIZER_RETRY_S - 1)
     assert asyncio.run(client.encode("m", prompt="a bb", raw=True)) == [1, 2]
 
@@ -297,7 +297,7 @@ class _Revising(_DyingHandle):
 def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another_revision() -> None:
     from inference.constrained import Constraint
 
-    handle = _Revising({"tokenizer_and_revision": ("ta", _Words()), "char_limit": (400, 100)})
+    handle = _Revising({"tokenizer_and_revisions": ("ta", "va", _Words()), "char_limit": (400, 100)})
     client = _client(handle)
     regex = Constraint.regex("[a-z]+")
 
@@ -314,10 +314,12 @@ def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another
         asyncio.run(client.generate("m", GenerationRequest(prompt_token_ids=[1, 2])))
         name, route = handle.routes[-1]
         assert name == "generate"
+        # and the revision of its vocabulary, which decides where the ids may go
+        assert route.vocabulary_revision == ("v" + route.tokenizer_revision[1:] if route.tokenizer_revision else "")
         return route.tokenizer_revision
 
     client.refresh_metrics()
-    assert use() == ["tokenizer_and_revision", "tokenizer_and_revision", "char_limit", "char_limit", "compile",
+    assert use() == ["tokenizer_and_revisions", "tokenizer_and_revisions", "char_limit", "char_limit", "compile",
                      "compile"]  # (a death each)
     assert tokenizer_asked() == "ta"
     client.refresh_metrics()
@@ -330,10 +332,10 @@ def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another
     assert tokenizer_asked() == "ta"
     assert [(r.revision, r.tokenizer_revision) for r in client.replica_metrics()] == [("a", "ta"), ("b", "tb")]
     handle.revisions = ["b", "b"]  # and ends: the old tokenizer goes, and what an old replica answered meanwhile
-    handle.answers["tokenizer_and_revision"] = ("tb", _Words())
+    handle.answers["tokenizer_and_revisions"] = ("tb", "vb", _Words())
     client.refresh_metrics()
     assert tokenizer_asked() == ""  # no tokenizer kept: none to ask for until one is fetched
-    assert use() == ["tokenizer_and_revision", "char_limit", "compile"]
+    assert use() == ["tokenizer_and_revisions", "char_limit", "compile"]
     assert tokenizer_asked() == "tb"
     client.refresh_metrics()
     assert use() == []
@@ -343,9 +345,9 @@ def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another
     handle.revisions = ["c", None]  # a replica of an older release reports no revision
     client.refresh_metrics()
     assert use() == ["char_limit", "compile"]
-    handle.revisions, handle.answers["tokenizer_and_revision"] = ["d", "d"], ("td", _Words())
+    handle.revisions, handle.answers["tokenizer_and_revisions"] = ["d", "d"], ("td", "vd", _Words())
     client.refresh_metrics()
-    assert use() == ["tokenizer_and_revision", "char_limit", "compile"] and tokenizer_asked() == "td"
+    assert use() == ["tokenizer_and_revisions", "char_limit", "compile"] and tokenizer_asked() == "td"
 
 
 def test_a_fetch_across_a_change_of_revision_is_not_kept() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.replica import EngineReplica, model_revision, tokenizer_revision
+from fleet.replica import EngineReplica, model_revision, tokenizer_revision, vocabulary_revision
 from inference import GenerationRequest, RequestOutput, SamplingParams
 from tests.engine.conftest import build_tiny_model
 
@@ -85,8 +85,14 @@ def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(repl
     tokens = replica.tokenizer_revision
     assert replica.record_routing_stats()["tokenizer_revision"] == tokens  # the router keeps its ids on it
     assert asyncio.run(replica.metrics())[4] == tokens == tokenizer_revision(replica.model)
-    revision, tokenizer = asyncio.run(replica.tokenizer_and_revision())
+    revision, tokenizer = asyncio.run(replica.tokenizer_and_revision())  # for a caller of the release before
     assert revision == tokens and tokenizer.encode("a b") == replica.engine.tokenizer.encode("a b")
+    vocabulary = replica.vocabulary_revision
+    assert vocabulary == vocabulary_revision(replica.model) and vocabulary != tokens
+    assert replica.record_routing_stats()["vocabulary_revision"] == vocabulary
+    revision, published_vocabulary, tokenizer = asyncio.run(replica.tokenizer_and_revisions())
+    assert (revision, published_vocabulary) == (tokens, vocabulary)
+    assert tokenizer.encode("a b") == replica.engine.tokenizer.encode("a b")
     settings = {"dtype": "float32"}
     first = model_revision(replica.model, settings)
     assert model_revision(replica.model, dict(settings)) == first  # what it serves, not when it was asked
@@ -99,6 +105,7 @@ def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(repl
     tokenizer_file = other / "tokenizer.json"
     os.utime(tokenizer_file, ns=(tokenizer_file.stat().st_atime_ns, tokenizer_file.stat().st_mtime_ns + 10**9))
     assert (model_revision(str(other), settings), tokenizer_revision(str(other))) == (first, tokens)
+    assert vocabulary_revision(str(other)) == vocabulary
 
     # Other weights (of another size: their values alone are nothing a caller keeps) or another config: another
     # revision, the same tokenizer.
@@ -115,7 +122,35 @@ def test_the_revision_follows_the_checkpoints_files_and_the_engine_settings(repl
     vocab["added_tokens"] = [*vocab.get("added_tokens", []), {"id": 10**6, "content": "<new>", "single_word": False,
                              "lstrip": False, "rstrip": False, "normalized": False, "special": True}]
     tokenizer_file.write_text(json.dumps(vocab))
-    assert tokenizer_revision(str(other)) != tokens
+    assert tokenizer_revision(str(other)) != tokens and vocabulary_revision(str(other)) != vocabulary
+
+
+def test_a_new_chat_template_is_another_tokenizer_with_the_same_vocabulary(replica: EngineReplica,
+                                                                           tmp_path: Path) -> None:
+    """An operator's fix of the chat template (in tokenizer_config.json, or a template file of its own) changes
+    the tokenizer a caller keeps and what the replica serves, not what a prompt's ids stand for."""
+    import json
+    import shutil
+
+    other = tmp_path / "templated"
+    shutil.copytree(replica.model, other)
+    tokens, vocabulary = replica.tokenizer_revision, replica.vocabulary_revision
+    served = model_revision(str(other), replica_settings)
+    config_file = other / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    config_file.write_text(json.dumps(config, indent=1))  # laid out otherwise too
+    templated = tokenizer_revision(str(other))
+    assert templated != tokens and vocabulary_revision(str(other)) == vocabulary
+    assert model_revision(str(other), replica_settings) != served
+    (other / "chat_template.jinja").write_text("{{ messages[0].content }}")  # a file of its own (new or changed)
+    assert tokenizer_revision(str(other)) not in (tokens, templated)
+    assert vocabulary_revision(str(other)) == vocabulary
+    config["eos_token"] = "<other>"  # the rest of the file still counts
+    config_file.write_text(json.dumps(config))
+    assert vocabulary_revision(str(other)) != vocabulary
+    config_file.write_text("not json")  # counted as it is, as the whole tokenizer's revision counts it
+    assert vocabulary_revision(str(other)) not in (vocabulary, vocabulary_revision(replica.model))
 
 
 def test_a_prompt_encoded_by_another_tokenizer_is_refused_before_it_runs(replica: EngineReplica) -> None:
@@ -142,4 +177,11 @@ def test_a_prompt_encoded_by_another_tokenizer_is_refused_before_it_runs(replica
     assert replica.engine.metrics().prompt_tokens_total == prompts_before  # nothing ran
     for route in (RouteHint(tokenizer_revision=replica.tokenizer_revision), RouteHint(), None):
         assert len(asyncio.run(replica.generate(request(), route=route)).token_ids) == 2
+    # The vocabulary decides where a caller names it: another chat template (another tokenizer revision) reads the
+    # same ids as the same tokens, and another vocabulary does not, whatever the tokenizer revision says.
+    same_vocabulary = RouteHint(tokenizer_revision="1" * 16, vocabulary_revision=replica.vocabulary_revision)
+    assert len(asyncio.run(replica.generate(request(), route=same_vocabulary)).token_ids) == 2
+    other_vocabulary = RouteHint(tokenizer_revision=replica.tokenizer_revision, vocabulary_revision="2" * 16)
+    with pytest.raises(TokenizerChangedError, match=f"vocabulary revision {'2' * 16}"):
+        asyncio.run(replica.generate(request(), route=other_vocabulary))
     assert asyncio.run(streamed(RouteHint(tokenizer_revision=replica.tokenizer_revision)))[-1].finished

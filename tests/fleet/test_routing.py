@@ -221,6 +221,25 @@ def test_a_prompt_encoded_by_one_tokenizer_stays_on_replicas_with_it_while_there
     assert Policy().decide(RouteHint(tokenizer_revision=old, avoid=frozenset({"r1"})), state).ranking == ["r2"]
 
 
+def test_the_vocabulary_decides_where_a_request_names_it() -> None:
+    """A rolling update that changes only the chat template: every replica reads the same ids as the same tokens,
+    so requests encoded with the old template (the old tokenizer revision) may go anywhere and are not crowded
+    onto the last old replicas. One that changes the vocabulary keeps them on its side, as above."""
+    state = replicas(0, 3, 5, r0={"tokenizer_revision": "new", "vocabulary_revision": "v"},
+                     r1={"tokenizer_revision": "old", "vocabulary_revision": "v"},
+                     r2={"tokenizer_revision": "old", "vocabulary_revision": "v"})
+    hint = RouteHint(tokenizer_revision="old", vocabulary_revision="v")
+    assert Policy().decide(hint, state).ranking[0] == "r0"  # the least loaded, of either side
+    assert Policy().decide(RouteHint(tokenizer_revision="old"), state).ranking == ["r1", "r2"]  # an older caller
+    changed = replicas(0, 3, 5, r0={"tokenizer_revision": "new", "vocabulary_revision": "w"},
+                       r1={"tokenizer_revision": "old", "vocabulary_revision": "v"},
+                       r2={"tokenizer_revision": "old", "vocabulary_revision": "v"})
+    assert Policy().decide(hint, changed).ranking == ["r1", "r2"]
+    assert Policy().decide(RouteHint(tokenizer_revision="new", vocabulary_revision="w"), changed).ranking == ["r0"]
+    # None with it left: all of them; the replica refuses what it would read as other tokens.
+    assert sorted(Policy().decide(RouteHint(vocabulary_revision="x"), changed).ranking) == ["r0", "r1", "r2"]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_prefix_chain_is_the_engines_own_cache_key(seed: int) -> None:
     """The router's keys are the block manager's: a prompt the engine cached is found by its chain."""
@@ -267,7 +286,8 @@ def test_the_router_reads_each_replicas_tokenizer_from_its_stats() -> None:
 
     def replica(label: str, tokenizer: str) -> SimpleNamespace:
         return SimpleNamespace(replica_id=SimpleNamespace(unique_id=label), actor_id=ray.ActorID.from_random(),
-                               routing_stats={"slots": 8, "tokenizer_revision": tokenizer})
+                               routing_stats={"slots": 8, "tokenizer_revision": tokenizer,
+                                              "vocabulary_revision": "v" + tokenizer})
 
     def request(n: int, hint: RouteHint) -> SimpleNamespace:
         return SimpleNamespace(kwargs={ROUTE_KWARG: hint}, routing_context=SimpleNamespace(should_backoff=False),
@@ -280,3 +300,6 @@ def test_the_router_reads_each_replicas_tokenizer_from_its_stats() -> None:
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["old1"]]
     ranks = asyncio.run(router.choose_replicas([new, old], request(9, RouteHint())))
     assert ranks[0][0].replica_id.unique_id == "new1"
+    hint = RouteHint(tokenizer_revision="tb", vocabulary_revision="vta")  # the vocabulary's stat is read too
+    ranks = asyncio.run(router.choose_replicas([new, old], request(10, hint)))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["old1"]]
