@@ -78,6 +78,14 @@ class _DyingHandle:
     def __init__(self, answers: dict[str, object] | None = None) -> None:
         self.routes: list[tuple[str, object]] = []
         self.answers = answers or {}
+        self.by_reference: list[tuple[str, bool]] = []  # each call's method and whether it went by reference
+        self._next_by_reference = True
+
+    def options(self, **options: object) -> _DyingHandle:
+        """Serve's `options`: the same double, noting the path the next call takes."""
+        if "_by_reference" in options:
+            self._next_by_reference = bool(options["_by_reference"])
+        return self
 
     def __getattr__(self, method: str) -> object:
         handle = self
@@ -86,6 +94,10 @@ class _DyingHandle:
             def remote(self, *args: object, **kwargs: object) -> object:
                 first = not any(name == method for name, _ in handle.routes)
                 handle.routes.append((method, kwargs.get("route")))
+                handle.by_reference.append((method, handle._next_by_reference))
+                handle._next_by_reference = True
+                if method == "stream":  # one output, then its end
+                    return _Stream(1, StopAsyncIteration)
 
                 async def answer() -> object:
                     if first:
@@ -102,11 +114,16 @@ class _DyingHandle:
         return _Method()
 
 
-def _client(handle: object, tokenizer_fetched: bool = False) -> FleetClient:
+KNOWN = (8192 * 81, 8192)  # SmolLM2's (character limit, context): its longest token has 81 characters
+
+
+def _client(handle: object, tokenizer_fetched: bool = False, char_limit: tuple[int, int] | None = None) -> FleetClient:
     """A client with no cluster: the handle stands in for Serve's. `tokenizer_fetched`: as if the replicas
-    could not give their tokenizer a moment ago, so requests are encoded on them."""
+    could not give their tokenizer a moment ago, so requests are encoded on them. `char_limit`: as if the
+    model's (limit, window) had been asked for already."""
     client = FleetClient.__new__(FleetClient)
-    client._handles, client._infos, client._char_limits = {"m": handle}, {}, {}
+    client._handles, client._infos = {"m": handle}, {}
+    client._char_limits = {"m": char_limit} if char_limit else {}
     client._lock, client._tokenizer_gates, client._compiled = threading.Lock(), {}, {}
     client._tokenizers = {"m": (None, time.monotonic())} if tokenizer_fetched else {}
     client._revisions, client._epochs, client._metrics, client._embedders = {}, {}, {}, set()
@@ -172,6 +189,73 @@ def test_calls_that_change_nothing_are_tried_again_away_from_a_dead_replica() ->
         asyncio.run(client.encode("m", prompt="hello"))
     with pytest.raises(ReplicaLostError):  # the same where the tokenizer's fetch loses two replicas
         asyncio.run(_client(_AlwaysDead()).encode("m", prompt="hello"))
+
+
+def test_generations_go_on_serves_grpc_path_unless_an_adapter_or_their_size_says_otherwise() -> None:
+    """Serve's gRPC path costs less per call than Ray's task path by reference, but refuses a message past its
+    limit at either end, and a LoRA request's bundle holds an ObjectRef, which only the path by reference keeps
+    alive. A retry after a lost replica takes the same path as its first try; a stream, the same as a call."""
+    from types import SimpleNamespace
+
+    from inference import LoRARequest, SamplingParams
+
+    handle = _DyingHandle({"char_limit": KNOWN})
+    client = _client(handle, tokenizer_fetched=True)  # the model's window asked by the first generation
+    bundle = object()  # the BundleCache's entry: ray.put's ref and the adapter's checksum, in the real thing
+    client.adapters = SimpleNamespace(cached=lambda name: bundle if name == "ad" else None)
+
+    def request(prompt: int = 3000, **params: Any) -> GenerationRequest:
+        lora = params.pop("lora", None)
+        return GenerationRequest(prompt_token_ids=list(range(prompt)), params=SamplingParams(**params), lora=lora)
+
+    async def read(request: GenerationRequest) -> None:
+        async for _ in client.stream("m", request):
+            pass
+
+    plain = request(max_tokens=256)
+    asyncio.run(client.generate("m", plain))
+    _, _, sent = asyncio.run(client.generate("m", request(max_tokens=256, lora=LoRARequest("ad", "unused"))))
+    assert sent["adapter"] is bundle
+    asyncio.run(client.generate("m", request(max_tokens=256, logprobs=0)))  # 21 tokens a token at the most
+    asyncio.run(client.generate("m", request(max_tokens=5000)))  # the context leaves 5,192 tokens: 3.3 MB at most
+    asyncio.run(client.generate("m", request(100, max_tokens=8000)))  # 5.2 MB at 81 characters a token
+    assert handle.by_reference == [("char_limit", True), ("char_limit", True),  # lost its replica, then answered
+                                   ("generate", False), ("generate", False), ("generate", True), ("generate", True),
+                                   ("generate", False), ("generate", True)]
+    assert client._char_limits["m"] == KNOWN  # asked once
+    handle.by_reference.clear()
+    for one in (plain, request(max_tokens=256, logprobs=2)):
+        asyncio.run(read(one))
+    assert handle.by_reference == [("stream", False), ("stream", True)]
+
+
+def test_the_bound_on_a_generations_messages_follows_its_prompt_answer_and_grammar() -> None:
+    from fleet.client import GRPC_MESSAGE_BYTES, fits_grpc
+    from inference import SamplingParams
+    from inference.constrained import Constraint
+    from inference.constrained.constraint import MAX_SPEC_CHARS
+
+    def request(prompt: int, max_tokens: int, constraint: Constraint | None = None) -> GenerationRequest:
+        return GenerationRequest(prompt_token_ids=[7] * prompt, params=SamplingParams(max_tokens=max_tokens),
+                                 constraint=constraint)
+
+    limit = 32768 * 128  # Qwen's: 32k tokens, 128 characters at the longest
+    assert fits_grpc(request(100, 256), limit, 32768)
+    assert not fits_grpc(request(100, 32768), limit, 32768)  # up to 32k tokens of up to 512 bytes each
+    assert fits_grpc(request(32700, 32768), limit, 32768)  # the context leaves room for 68 tokens
+    assert not fits_grpc(request(100, 256), limit, 0)  # the window is unknown
+    big, small = Constraint.regex("a" * MAX_SPEC_CHARS), Constraint.regex("a" * 1000)  # up to 1 MiB and 4 kB
+    assert GRPC_MESSAGE_BYTES == 4 * 1024 * 1024  # Serve's default, which the figures here are for
+    assert fits_grpc(request(100, 3000, small), limit, 32768) and not fits_grpc(request(100, 3000, big), limit, 32768)
+    # The bound holds: what gRPC carries here is larger than any real answer of that many tokens.
+    import pickle
+
+    from inference import RequestOutput
+    from inference.outputs import FinishReason, RequestMetrics, Usage
+
+    tokens, text = [151_000 + i for i in range(2000)], "\u4e00" * 2000 * 40
+    out = RequestOutput("r", text, tokens, text, tokens, True, FinishReason.LENGTH, Usage(), RequestMetrics())
+    assert len(pickle.dumps(out)) <= 2000 * (5 + 2 * 4 * 40) + 64 * 1024
 
 
 def test_a_constraint_that_compiled_is_not_sent_again_and_a_refused_one_is() -> None:
@@ -257,7 +341,7 @@ class _Stream:
 def test_a_call_the_way_failed_is_not_sent_again_and_reaches_the_caller_as_the_engines_error() -> None:
     request = GenerationRequest(prompt_token_ids=[1, 2, 3])
     handle = _BrokenWay()
-    client = _client(handle)
+    client = _client(handle, char_limit=KNOWN)
     with pytest.raises(EngineUnreachableError, match="gRPC INTERNAL"):
         asyncio.run(client.generate("m", request))
     assert handle.calls == 1  # it may have run: not sent again, unlike a call whose replica died
@@ -268,7 +352,7 @@ def test_a_call_the_way_failed_is_not_sent_again_and_reaches_the_caller_as_the_e
     for outputs in (0, 2):  # before its first output and after some: the stream ends with the engine's error
         handle = _BrokenWay(outputs)
         with pytest.raises(EngineUnreachableError):
-            asyncio.run(read(_client(handle)))
+            asyncio.run(read(_client(handle, char_limit=KNOWN)))
         assert handle.calls == 1
 
 
@@ -335,7 +419,8 @@ def test_what_is_kept_of_a_model_is_learnt_again_when_its_replicas_serve_another
     handle.answers["tokenizer_and_revisions"] = ("tb", "vb", _Words())
     client.refresh_metrics()
     assert tokenizer_asked() == ""  # no tokenizer kept: none to ask for until one is fetched
-    assert use() == ["tokenizer_and_revisions", "char_limit", "compile"]
+    assert handle.routes[-2][0] == "char_limit"  # the generation learnt the new revision's window first
+    assert use() == ["tokenizer_and_revisions", "compile"]
     assert tokenizer_asked() == "tb"
     client.refresh_metrics()
     assert use() == []
@@ -408,7 +493,7 @@ def test_a_refusal_for_another_tokenizer_drops_the_one_kept_here_and_is_not_sent
 
     for call in (lambda client: asyncio.run(client.generate("m", request)), lambda client: asyncio.run(read(client))):
         handle = _BrokenWay(error=refusal)
-        client = _client(handle)
+        client = _client(handle, char_limit=KNOWN)
         client._tokenizers["m"] = (LocalTokenizer(_Words(), "ta"), time.monotonic())
         with pytest.raises(TokenizerChangedError):
             call(client)
