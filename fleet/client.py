@@ -50,6 +50,7 @@ from inference.errors import (
     ModelNotFoundError,
     TokenizerChangedError,
 )
+from inference.outputs import TokenLogprob
 from inference.prompts import encode_prompt
 
 log = logging.getLogger("fleet.client")
@@ -364,11 +365,15 @@ class FleetClient:
         bundle = await self._bundle(request)
         route, begun = self._hint(model, request, session), False
         handle = self._way(model, await self._by_reference(model, request, bundle)).options(stream=True)
+        so_far: list[TokenLogprob] = []  # the replica sends each output's own step's (EngineReplica.stream)
         for attempt in (1, 2):
             responses = handle.stream.remote(request, route=route, adapter=bundle)
             try:
                 async for out in responses:
                     begun = True
+                    if out.logprobs is not None:
+                        so_far.extend(out.logprobs)
+                        out.all_logprobs = list(so_far)
                     yield out
                 return
             except BaseException as exc:

@@ -237,6 +237,10 @@ class EngineReplica:
         self._same_tokenizer(route)
         async for out in self.engine.stream(await self._local(request, adapter)):
             out.replica = self.name
+            # An output holds the log probabilities of every token so far (`all_logprobs`): sent whole at each step,
+            # a long stream's would cost the square of its length to pickle (~600 bytes a token at 20 alternatives).
+            # Each goes with its own step's (`logprobs`); FleetClient.stream adds them up again.
+            out.all_logprobs = None
             yield out
 
     async def metrics(self) -> tuple[str, EngineMetrics, int, str, str]:

@@ -297,6 +297,28 @@ async def test_an_engine_refusal_on_a_replica_reaches_the_caller_as_itself(fleet
         assert refused.prompt_tokens == window + 5 and refused.limit < window + 5
 
 
+async def test_a_streams_log_probabilities_add_up_as_an_engines_do(fleet):
+    """Replicas send each step's log probabilities once; the client adds them up, so each streamed output's
+    `all_logprobs` holds every one so far, as an engine's in process does, the last the whole generation's."""
+    from inference import GenerationRequest, SamplingParams
+
+    def request() -> GenerationRequest:
+        return GenerationRequest(prompt_token_ids=[100 + i for i in range(20)],
+                                 params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3))
+
+    client = fleet.client
+    outs = [out async for out in client.stream(CHAT_MODEL, request())]
+    whole = await client.generate(CHAT_MODEL, request())  # one output, its all_logprobs the engine's own
+    so_far = []
+    for out in outs:
+        so_far += out.logprobs or []
+        assert out.all_logprobs == so_far
+    assert whole.all_logprobs is not None and len(so_far) == len(whole.all_logprobs) == 10
+    assert [(e.token_id, [t for t, _, _ in e.top]) for e in so_far] == [
+        (e.token_id, [t for t, _, _ in e.top]) for e in whole.all_logprobs]
+    assert [e.logprob for e in so_far] == pytest.approx([e.logprob for e in whole.all_logprobs], abs=1e-4)
+
+
 async def test_a_prompt_encoded_by_a_tokenizer_the_fleet_no_longer_has_is_refused_and_encoded_anew(fleet):
     """As at the end of a rolling update that changed the tokenizer's vocabulary, before this process's metrics
     poll noticed: the tokenizer kept here names a vocabulary revision no replica has. The router finds none with

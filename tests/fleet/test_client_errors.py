@@ -16,8 +16,9 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from fleet.actors import note_actor
 from fleet.client import TOKENIZER_RETRY_S, FleetClient, LocalTokenizer, ReplicaLostError, _engine_error
-from inference import GenerationRequest
+from inference import GenerationRequest, RequestOutput
 from inference.errors import EngineDeadError, EngineOverloadedError, EngineUnreachableError
+from inference.outputs import RequestMetrics, Usage
 
 DIED = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:hearth-smollm2:engine\n"
         "\tactor_id: 7ee8f67c0d6e9b7b1fe9c2fd01000000\n\tpid: 10133\n"
@@ -328,11 +329,11 @@ class _Stream:
     def __aiter__(self) -> _Stream:
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> RequestOutput:
         if self.left == 0:
             raise self.error()
         self.left -= 1
-        return "an output"
+        return RequestOutput("r", "a", [1], "a", [1], False, None, Usage(), RequestMetrics())
 
     def cancel(self) -> None:
         pass

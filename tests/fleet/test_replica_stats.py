@@ -1,5 +1,6 @@
 """What a replica publishes to routers, driven without Ray: the interactive prompt tokens it still has to compute,
-stamped with the time of the engine snapshot they come from (not the time Serve asked)."""
+stamped with the time of the engine snapshot they come from (not the time Serve asked); and what its streams
+send."""
 
 from __future__ import annotations
 
@@ -185,3 +186,26 @@ def test_a_prompt_encoded_by_another_tokenizer_is_refused_before_it_runs(replica
     with pytest.raises(TokenizerChangedError, match=f"vocabulary revision {'2' * 16}"):
         asyncio.run(replica.generate(request(), route=other_vocabulary))
     assert asyncio.run(streamed(RouteHint(tokenizer_revision=replica.tokenizer_revision)))[-1].finished
+
+
+def test_a_stream_sends_each_steps_log_probabilities_once(replica: EngineReplica) -> None:
+    """Each streamed output carries its own step's log probabilities, not every one so far (`all_logprobs`,
+    rebuilt by the fleet's client): pickled whole at every step, a long stream's would cost the square of its
+    length. Together they are the non-streamed generation's."""
+    import asyncio
+
+    def request() -> GenerationRequest:
+        return GenerationRequest([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                           logprobs=2))
+
+    async def streamed() -> list[RequestOutput]:
+        return [out async for out in replica.stream(request())]
+
+    outs = asyncio.run(streamed())
+    whole = asyncio.run(replica.generate(request()))
+    assert all(out.all_logprobs is None for out in outs)
+    steps = [entry for out in outs for entry in out.logprobs or ()]
+    assert whole.all_logprobs is not None and len(whole.all_logprobs) == 12
+    assert [(e.token_id, [t for t, _, _ in e.top]) for e in steps] == [
+        (e.token_id, [t for t, _, _ in e.top]) for e in whole.all_logprobs]
+    assert [e.logprob for e in steps] == pytest.approx([e.logprob for e in whole.all_logprobs], abs=1e-5)
