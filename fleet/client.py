@@ -365,7 +365,10 @@ class FleetClient:
         bundle = await self._bundle(request)
         route, begun = self._hint(model, request, session), False
         handle = self._way(model, await self._by_reference(model, request, bundle)).options(stream=True)
-        so_far: list[TokenLogprob] = []  # the replica sends each output's own step's (EngineReplica.stream)
+        # The replica sends each output's own step's log probabilities, and its text and token ids empty where
+        # they are only the last ones plus the step's deltas (EngineReplica.stream): rebuilt here.
+        so_far: list[TokenLogprob] = []
+        text, ids = "", list[int]()
         for attempt in (1, 2):
             responses = handle.stream.remote(request, route=route, adapter=bundle)
             try:
@@ -374,6 +377,12 @@ class FleetClient:
                     if out.logprobs is not None:
                         so_far.extend(out.logprobs)
                         out.all_logprobs = list(so_far)
+                    if out.text or out.token_ids:  # sent whole
+                        text, ids = out.text, list(out.token_ids)
+                    else:
+                        text += out.delta_text
+                        ids.extend(out.delta_token_ids)
+                        out.text, out.token_ids = text, list(ids)
                     yield out
                 return
             except BaseException as exc:

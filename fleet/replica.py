@@ -235,12 +235,21 @@ class EngineReplica:
     async def stream(self, request: GenerationRequest, route: RouteHint | None = None,
                      adapter: AdapterBundle | None = None) -> AsyncIterator[RequestOutput]:
         self._same_tokenizer(route)
+        chars = tokens = 0  # how much text and how many token ids the outputs sent so far hold
         async for out in self.engine.stream(await self._local(request, adapter)):
             out.replica = self.name
             # An output holds the log probabilities of every token so far (`all_logprobs`): sent whole at each step,
             # a long stream's would cost the square of its length to pickle (~510 bytes a token at 20 alternatives, measured).
             # Each goes with its own step's (`logprobs`); FleetClient.stream adds them up again.
             out.all_logprobs = None
+            # So do the text and token ids so far (~10 bytes a token, ~20 MB over a stream of 2,048): where they
+            # are the last ones sent plus this step's deltas, as the engine makes them, they go empty and the
+            # client rebuilds them (FleetClient.stream); otherwise they go whole.
+            grown = (len(out.text) == chars + len(out.delta_text) and out.text.endswith(out.delta_text)
+                     and len(out.token_ids) == tokens + len(out.delta_token_ids))
+            chars, tokens = len(out.text), len(out.token_ids)
+            if grown:
+                out.text, out.token_ids = "", []
             yield out
 
     async def metrics(self) -> tuple[str, EngineMetrics, int, str, str]:

@@ -297,9 +297,10 @@ async def test_an_engine_refusal_on_a_replica_reaches_the_caller_as_itself(fleet
         assert refused.prompt_tokens == window + 5 and refused.limit < window + 5
 
 
-async def test_a_streams_log_probabilities_add_up_as_an_engines_do(fleet):
-    """Replicas send each step's log probabilities once; the client adds them up, so each streamed output's
-    `all_logprobs` holds every one so far, as an engine's in process does, the last the whole generation's."""
+async def test_a_streams_log_probabilities_text_and_tokens_add_up_as_an_engines_do(fleet):
+    """Replicas send each step's log probabilities, text and token ids once; the client adds them up, so each
+    streamed output's `all_logprobs`, `text` and `token_ids` hold every one so far, as an engine's in process do,
+    the last the whole generation's."""
     from inference import GenerationRequest, SamplingParams
 
     def request() -> GenerationRequest:
@@ -309,10 +310,12 @@ async def test_a_streams_log_probabilities_add_up_as_an_engines_do(fleet):
     client = fleet.client
     outs = [out async for out in client.stream(CHAT_MODEL, request())]
     whole = await client.generate(CHAT_MODEL, request())  # one output, its all_logprobs the engine's own
-    so_far = []
+    so_far, text, ids = [], "", []
     for out in outs:
         so_far += out.logprobs or []
-        assert out.all_logprobs == so_far
+        text, ids = text + out.delta_text, ids + out.delta_token_ids
+        assert out.all_logprobs == so_far and out.text == text and out.token_ids == ids
+    assert text == whole.text and ids == whole.token_ids and len(ids) == 10
     assert whole.all_logprobs is not None and len(so_far) == len(whole.all_logprobs) == 10
     assert [(e.token_id, [t for t, _, _ in e.top]) for e in so_far] == [
         (e.token_id, [t for t, _, _ in e.top]) for e in whole.all_logprobs]

@@ -188,10 +188,10 @@ def test_a_prompt_encoded_by_another_tokenizer_is_refused_before_it_runs(replica
     assert asyncio.run(streamed(RouteHint(tokenizer_revision=replica.tokenizer_revision)))[-1].finished
 
 
-def test_a_stream_sends_each_steps_log_probabilities_once(replica: EngineReplica) -> None:
-    """Each streamed output carries its own step's log probabilities, not every one so far (`all_logprobs`,
-    rebuilt by the fleet's client): pickled whole at every step, a long stream's would cost the square of its
-    length. Together they are the non-streamed generation's."""
+def test_a_stream_sends_each_steps_log_probabilities_text_and_tokens_once(replica: EngineReplica) -> None:
+    """Each streamed output carries its own step's log probabilities, text and token ids, not every one so far
+    (`all_logprobs`, `text`, `token_ids`, rebuilt by the fleet's client): pickled whole at every step, a long
+    stream's would cost the square of its length. Together they are the non-streamed generation's."""
     import asyncio
 
     def request() -> GenerationRequest:
@@ -204,6 +204,10 @@ def test_a_stream_sends_each_steps_log_probabilities_once(replica: EngineReplica
     outs = asyncio.run(streamed())
     whole = asyncio.run(replica.generate(request()))
     assert all(out.all_logprobs is None for out in outs)
+    # nor the text and token ids so far: each step's deltas add up to the whole generation's
+    assert all(out.text == "" and out.token_ids == [] for out in outs)
+    assert "".join(out.delta_text for out in outs) == whole.text and whole.text
+    assert [t for out in outs for t in out.delta_token_ids] == whole.token_ids and len(whole.token_ids) == 12
     steps = [entry for out in outs for entry in out.logprobs or ()]
     assert whole.all_logprobs is not None and len(whole.all_logprobs) == 12
     assert [(e.token_id, [t for t, _, _ in e.top]) for e in steps] == [
