@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void amx_lora(const lora_side *L, i
             const uint16_t *v = E->v[p];
             for (int64_t j = 0; j < E->rank; j += AMX_K, w += 2048) {
                 amx_tiles_weights(w);
-                amx_tiles_rows(second, v + j, L->stride * 2);
+                amx_tiles_rows(second, v + j, E->stride * 2);
             }
             break;
         }

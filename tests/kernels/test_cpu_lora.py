@@ -113,8 +113,9 @@ def test_rows_it_cannot_read_as_they_are_are_not_taken() -> None:
 def test_adapters_inside_the_products_on_amx_tiles_add_what_the_definition_adds() -> None:
     """hearth_lora_product (the expands summed in the base product's tiles, each output rounded once): against the
     definition in fp32 (x W^T + each part's rank vectors times its B^T), rows of the base model bit for bit the
-    plain product's; gate|up straight into silu(gate) * up; rows mixing adapters inside a 16-row group, a last
-    partial group and chunks of 96 rows; and a rank off the tiles' 32 is left to the caller."""
+    plain product's; gate|up straight into silu(gate) * up; rows mixing adapters inside a 16-row group, groups all
+    of one adapter (read where the shrinks wrote them), a last partial group and chunks of 96 rows; and a rank off
+    the tiles' 32 is left to the caller."""
     if cpu_decode_layer.lora_gemm(torch.bfloat16) is None:
         pytest.skip("bf16 products of many rows are not on AMX tiles here (a CPU, build or process without them)")
     seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -138,8 +139,15 @@ def test_adapters_inside_the_products_on_amx_tiles_add_what_the_definition_adds(
             table.set(slot, 0, projection, (*shrink.kernel_weight(), shrink.gemm),
                       [(column, (*e.kernel_weight(), e.gemm)) for column, e in expands])
     assert all(table.ready)
-    for m in (3, 21, 130):
-        row_slots = torch.randint(-1, slots, (m,), generator=gen).numpy()  # adapters mixed within 16-row groups
+    for m, runs in ((3, False), (21, False), (130, False), (200, True)):
+        if runs:  # a prompt step's rows: runs of one adapter, whole 16-row groups of one among groups mixing them
+            lengths = torch.randint(1, 65, (m,), generator=gen).cumsum(0)
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths[lengths < m]])
+            which = torch.randint(-1, slots, (len(starts),), generator=gen)
+            row_slots = which[torch.searchsorted(starts, torch.arange(m), right=True) - 1].numpy()
+            row_slots[32:64] = 0  # at least two whole groups of slot 0, which adapts every projection
+        else:
+            row_slots = torch.randint(-1, slots, (m,), generator=gen).numpy()  # adapters mixed within 16-row groups
         order, spans = _rows(row_slots)
         rows = cpu_decode_layer.LoraRows(cpu_decode_layer.AdapterRows(table, order, torch.tensor(spans)))
         for projection, (fan_in, bounds) in SHAPES.items():
